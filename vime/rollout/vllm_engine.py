@@ -1,0 +1,230 @@
+"""VLLMEngine: one vLLM rollout engine and its HTTP control plane (pause, resume, weight sync).
+
+Usable directly or as a Ray actor (`ray.remote(num_cpus=0)(VLLMEngine)`). It either launches a
+server subprocess (and ends only that process group on `shutdown`) or connects to an external URL.
+
+Multi-node engines: only the engine's `node_rank == 0` serves HTTP; on other node ranks every
+control method returns None, so callers can fan out to all of an engine's actors alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from vime.config import EngineConfig, PauseMode
+from vime.rollout.server import ServerProcess, launch_server, wait_until_healthy
+from vime.utils.http import EngineHTTPError, request_json
+
+logger = logging.getLogger(__name__)
+
+
+class FlushCacheError(RuntimeError):
+    """The prefix cache could not be reset within the bound: requests still hold KV blocks."""
+
+
+class VLLMEngine:
+    """Control plane of one vLLM server, launched here or reached at `url`."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        rank: int = 0,
+        node_rank: int = 0,
+        url: str | None = None,
+        port: int | None = None,
+        log_dir: str | None = None,
+    ):
+        self.config = config
+        self.rank = rank
+        self.node_rank = node_rank
+        self._external_url = url
+        self._port = port
+        self._log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="vime-engine-"))
+        self._server: ServerProcess | None = None
+        self._url: str | None = None
+        self._session = requests.Session()
+        self.startup_s: float | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def init(self) -> str:
+        """Launch the server (or check the external one) and return its base URL."""
+        start = time.monotonic()
+        if self._external_url is not None:
+            url = self._external_url.rstrip("/")
+            wait_until_healthy(url, timeout_s=self.config.request_timeout_s)
+            self._url = url
+        else:
+            log_path = self._log_dir / f"vllm-engine-{self.rank}.log"
+            self._server = launch_server(
+                self.config, port=self._port, log_path=log_path, rank=self.rank
+            )
+            self._url = self._server.url
+        self.startup_s = time.monotonic() - start
+        logger.info("engine %d ready at %s in %.1f s", self.rank, self._url, self.startup_s)
+        return self._url
+
+    @property
+    def url(self) -> str:
+        if self._url is None:
+            raise RuntimeError(f"engine {self.rank} has no URL yet: call init() first")
+        return self._url
+
+    def get_url(self) -> str:
+        """The base URL (a method, so Ray actor callers can ask for it)."""
+        return self.url
+
+    def server_pid(self) -> int | None:
+        """Pid of the server this engine launched (None for an external one)."""
+        return self._server.pid if self._server is not None else None
+
+    def server_log_path(self) -> str | None:
+        return str(self._server.log_path) if self._server is not None else None
+
+    def shutdown(self) -> None:
+        """End the server process group this engine started; an external server is left alone."""
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        self._session.close()
+
+    def health(self) -> bool:
+        if self.node_rank != 0:
+            return True
+        try:
+            request_json("GET", f"{self.url}/health", timeout_s=5.0, session=self._session)
+        except EngineHTTPError:
+            return False
+        return True
+
+    # ---- HTTP helper ---------------------------------------------------------------------
+
+    def _call(
+        self,
+        method: str,
+        endpoint: str,
+        *,
+        params: dict[str, Any] | None = None,
+        json: Any = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """Every control call goes through here; None on node ranks that serve no HTTP."""
+        if self.node_rank != 0:
+            return None
+        return request_json(
+            method,
+            f"{self.url}/{endpoint.lstrip('/')}",
+            params=params,
+            json=json,
+            timeout_s=timeout_s if timeout_s is not None else self.config.request_timeout_s,
+            session=self._session,
+        )
+
+    # ---- pause / resume --------------------------------------------------------------------
+
+    def pause_generation(
+        self, mode: PauseMode | None = None, clear_cache: bool | None = None
+    ) -> dict | None:
+        """POST /pause. `keep` freezes every request (none lost); returns once the engine is idle.
+
+        Defaults come from the config (keep, clear_cache=False). With clear_cache=True the engine
+        preempts paused requests and frees their KV: they re-prefill on the new weights on resume.
+        """
+        mode = mode if mode is not None else self.config.pause_mode
+        clear = clear_cache if clear_cache is not None else self.config.clear_cache_on_pause
+        if mode not in ("keep", "wait", "abort"):
+            raise ValueError(f"pause mode {mode!r} is not one of 'keep', 'wait', 'abort'")
+        return self._call(
+            "POST", "/pause", params={"mode": mode, "clear_cache": "true" if clear else "false"}
+        )
+
+    def continue_generation(self) -> dict | None:
+        """POST /resume: requests frozen by a keep pause continue generating."""
+        return self._call("POST", "/resume")
+
+    def is_paused(self) -> bool | None:
+        body = self._call("GET", "/is_paused")
+        return None if body is None else bool(body["is_paused"])
+
+    def flush_cache(self, timeout_s: float | None = None, poll_s: float = 0.05) -> bool | None:
+        """POST /reset_prefix_cache until it succeeds; FlushCacheError after `timeout_s`.
+
+        vLLM answers success=false while requests hold KV blocks (e.g. after a keep pause with
+        clear_cache=false, the frozen requests keep theirs); the reset then cannot happen.
+        """
+        if self.node_rank != 0:
+            return None
+        timeout_s = timeout_s if timeout_s is not None else self.config.flush_cache_timeout_s
+        deadline = time.monotonic() + timeout_s
+        attempts = 0
+        while True:
+            attempts += 1
+            body = self._call(
+                "POST", "/reset_prefix_cache", params={"reset_running_requests": "false"}
+            )
+            if body.get("success"):
+                return True
+            if time.monotonic() >= deadline:
+                raise FlushCacheError(
+                    f"engine {self.rank} at {self.url}: prefix cache not reset after {attempts} "
+                    f"attempts in {timeout_s:g} s: requests still hold KV blocks. Pause with "
+                    "clear_cache=true to free them, or wait for running requests to finish."
+                )
+            time.sleep(poll_s)
+
+    # ---- weight-update lifecycle ---------------------------------------------------------
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> dict | None:
+        """POST /init_weight_transfer_engine {"init_info": ...} (backend-specific fields)."""
+        return self._call("POST", "/init_weight_transfer_engine", json={"init_info": init_info})
+
+    def start_weight_update(self) -> dict | None:
+        """POST /start_weight_update. A second start without finish is an error in vLLM."""
+        return self._call("POST", "/start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> dict | None:
+        """POST /update_weights {"update_info": one dict, or one per worker}."""
+        return self._call("POST", "/update_weights", json={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | int | None) -> dict | None:
+        """POST /finish_weight_update; tokens generated afterwards carry `weight_version`."""
+        version = None if weight_version is None else str(weight_version)
+        return self._call("POST", "/finish_weight_update", json={"weight_version": version})
+
+    def get_weight_version(self) -> str | None:
+        body = self._call("GET", "/weight_info")
+        return None if body is None else body["weight_version"]
+
+    def update_weight_version(self, weight_version: str | int) -> dict | None:
+        return self._call(
+            "POST", "/update_weight_version", json={"new_version": str(weight_version)}
+        )
+
+    def get_world_size(self, include_dp: bool = True) -> int | None:
+        body = self._call(
+            "GET", "/get_world_size", params={"include_dp": "true" if include_dp else "false"}
+        )
+        return None if body is None else int(body["world_size"])
+
+    def weight_checksums(self) -> dict[str, str] | None:
+        """Per-tensor checksums of the weights the engine serves (POST /weight_checker)."""
+        body = self._call("POST", "/weight_checker", json={"action": "checksum"})
+        return None if body is None else body["checksums"]
+
+    def collective_rpc(
+        self, method: str, args: list[str] | None = None, kwargs: dict[str, str] | None = None
+    ) -> list[Any] | None:
+        """POST /collective_rpc: call a worker-extension method on every worker."""
+        body = self._call(
+            "POST",
+            "/collective_rpc",
+            json={"method": method, "args": args or [], "kwargs": kwargs or {}},
+        )
+        return None if body is None else body.get("results")
