@@ -1,0 +1,146 @@
+"""Run real megatron-core on several gloo processes on 127.0.0.1, for the distributed tests.
+
+`run_workers(job, world_size, out_dir)` spawns `world_size` processes, each runs `_worker`:
+initialise gloo and megatron's parallel_state for one parallel layout, then for every case build
+the model from an HF checkpoint, load it, gather it back to HF names and (fp32, PP=1) run the
+forward. Each rank writes what it saw to out_dir/rank{r}.pt; the test process asserts on it.
+Every wait is bounded: gloo groups carry a timeout, and the parent kills the processes it spawned
+when the deadline passes.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=90)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model to load and gather: an HF checkpoint dir and the parameter dtype."""
+
+    model_dir: str
+    dtype: str = "float32"
+    forward: bool = False  # also compute logits and log-probs on `Job.input_ids`
+
+
+@dataclass(frozen=True)
+class Job:
+    """A parallel layout and the cases to run under it."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    expert_tp: int | None = None
+    cases: tuple[Case, ...] = ()
+    # Forces vocab padding: 512 -> 576 at TP1 and TP2.
+    make_vocab_size_divisible_by: int = 96
+    input_ids: tuple[tuple[int, ...], ...] = field(default=())
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, job: Job, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from vime.megatron.converters import get_converter
+    from vime.megatron.gather import GatherGroups, gather_hf_weights, hf_weight_metadata
+    from vime.megatron.model import (
+        build_gpt_model,
+        forward_logits,
+        initialize_model_parallel,
+        load_hf_checkpoint,
+        load_hf_config,
+        pad_vocab_size,
+        token_logprobs,
+    )
+    from vime.megatron.topology import Topology
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    topology = initialize_model_parallel(
+        tp=job.tp, pp=job.pp, ep=job.ep, expert_tp=job.expert_tp, timeout=COLLECTIVE_TIMEOUT
+    )
+    expected = Topology.for_rank(
+        rank, world_size, tp=job.tp, pp=job.pp, ep=job.ep, expert_tp=job.expert_tp
+    )
+    groups = GatherGroups.from_parallel_state()
+    result: dict = {"topology": topology, "expected_topology": expected, "cases": {}}
+    for case in job.cases:
+        hf_config = load_hf_config(case.model_dir)
+        padded = pad_vocab_size(
+            hf_config.vocab_size, topology.tp_size, divisible_by=job.make_vocab_size_divisible_by
+        )
+        converter = get_converter(hf_config, padded_vocab_size=padded)
+        model = build_gpt_model(converter, topology, params_dtype=getattr(torch, case.dtype))
+        load_hf_checkpoint(model, case.model_dir, converter=converter, topology=topology)
+        gathered = [
+            (name, tensor.clone())
+            for name, tensor in gather_hf_weights(
+                model,
+                converter=converter,
+                topology=topology,
+                groups=groups,
+                timeout=COLLECTIVE_TIMEOUT,
+            )
+        ]
+        case_result = {
+            "gathered": gathered,
+            "metadata": hf_weight_metadata(converter, model.config),
+            "padded_vocab_size": padded,
+        }
+        if case.forward:
+            input_ids = torch.tensor(job.input_ids)
+            # eval(): megatron refuses MoE + TP without sequence parallelism in training mode.
+            model.eval()
+            with torch.no_grad():
+                case_result["logits"] = forward_logits(
+                    model, input_ids, vocab_size=hf_config.vocab_size
+                )
+                case_result["logprobs"] = token_logprobs(
+                    model, input_ids, vocab_size=hf_config.vocab_size
+                )
+        result["cases"][(case.model_dir, case.dtype)] = case_result
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_workers(job: Job, world_size: int, out_dir: Path, *, timeout_s: float = 150.0) -> list:
+    """Run `job` on `world_size` spawned gloo processes; return each rank's result, rank order."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    context = mp.start_processes(
+        _worker,
+        args=(world_size, free_port(), job, str(out_dir)),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers did not finish within {timeout_s} s ({job})")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -1,0 +1,346 @@
+"""Build a Megatron-core GPTModel from an HF config, load the HF checkpoint into it, run it.
+
+The trainer must start from exactly the weights the rollout engine serves, so the model is built
+from the HF config (local layer spec, no Transformer Engine) and filled from the HF safetensors.
+
+    dist.init_process_group("gloo", ...)                # or nccl on GPUs
+    topology = initialize_model_parallel(tp=2, pp=1)    # parallel_state + CPU shims
+    hf_config = load_hf_config(model_dir)
+    converter = get_converter(hf_config, padded_vocab_size=pad_vocab_size(hf_config.vocab_size, 2))
+    model = build_gpt_model(converter, topology, params_dtype=torch.bfloat16)
+    load_hf_checkpoint(model, model_dir, converter=converter, topology=topology)
+    logprobs = token_logprobs(model, input_ids, vocab_size=hf_config.vocab_size)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import functional
+
+from vime.megatron.converters import DecoderConverter
+from vime.megatron.cpu_shims import apply_cpu_shims
+from vime.megatron.sharding import shard
+from vime.megatron.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+
+
+def load_hf_config(hf_config_or_dir: Any) -> Any:
+    """A transformers config object, from a config object or a checkpoint directory."""
+    if isinstance(hf_config_or_dir, (str, Path)):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(hf_config_or_dir))
+    return hf_config_or_dir
+
+
+def pad_vocab_size(vocab_size: int, tp_size: int, *, divisible_by: int = 128) -> int:
+    """Megatron's padded vocabulary: the next multiple of divisible_by * tp_size."""
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def initialize_model_parallel(
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    expert_tp: int | None = None,
+    timeout: timedelta = timedelta(minutes=5),
+) -> Topology:
+    """Set up megatron's parallel_state on an initialised torch.distributed; return the Topology.
+
+    Every group megatron creates gets `timeout`, so a stuck collective fails instead of hanging.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        raise ValueError("torch.distributed must be initialised before megatron's parallel_state")
+    apply_cpu_shims()
+    # Validate the sizes (the error lists every degree) before megatron asserts on them.
+    Topology.for_rank(
+        dist.get_rank(), dist.get_world_size(), tp=tp, pp=pp, ep=ep, expert_tp=expert_tp
+    )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=expert_tp,
+        distributed_timeout_minutes=max(1, round(timeout.total_seconds() / 60)),
+    )
+    return Topology.from_parallel_state()
+
+
+def transformer_config(
+    converter: DecoderConverter,
+    topology: Topology,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+):
+    """The TransformerConfig of the HF model behind `converter`; `overrides` win."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    d = converter.dims
+    fields: dict[str, Any] = {
+        "num_layers": d.num_layers,
+        "hidden_size": d.hidden_size,
+        "num_attention_heads": d.num_attention_heads,
+        "num_query_groups": d.num_query_groups,
+        "kv_channels": d.head_dim,
+        "ffn_hidden_size": d.ffn_hidden_size,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": d.norm_epsilon,
+        "gated_linear_unit": True,
+        "activation_func": functional.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": converter.qkv_bias,
+        "qk_layernorm": converter.qk_layernorm,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "tensor_model_parallel_size": topology.tp_size,
+        "pipeline_model_parallel_size": topology.pp_size,
+        "context_parallel_size": topology.cp_size,
+        "expert_model_parallel_size": topology.ep_size,
+        "expert_tensor_parallel_size": topology.expert_tp_size,
+        "params_dtype": params_dtype,
+        "pipeline_dtype": params_dtype,
+        "bf16": params_dtype == torch.bfloat16,
+        "fp16": params_dtype == torch.float16,
+        # Random init on the CPU (replaced by load_hf_checkpoint). Keep perform_initialization:
+        # with CPU init, megatron sets the tensor_model_parallel / partition_dim attributes of
+        # embedding and linear weights only while initialising them.
+        "use_cpu_initialization": True,
+        # CPU-safe kernels: no fused/apex/TE paths.
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "masked_softmax_fusion": False,
+        "persist_layer_norm": False,
+        "apply_rope_fusion": False,
+        "gradient_accumulation_fusion": False,
+    }
+    if converter.moe:
+        fields.update(
+            num_moe_experts=d.num_experts,
+            moe_ffn_hidden_size=d.moe_ffn_hidden_size,
+            moe_router_topk=d.moe_router_topk,
+            # HF: softmax over all experts, top-k, renormalise (norm_topk_prob) ==
+            # megatron: top-k of the logits, softmax over those k.
+            moe_router_pre_softmax=not d.moe_norm_topk_prob,
+            moe_token_dispatcher_type="allgather",
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False,
+        )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def build_gpt_model(
+    converter: DecoderConverter,
+    topology: Topology,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    **config_overrides: Any,
+):
+    """This rank's GPTModel (its pipeline stage, its TP/EP shards), randomly initialised.
+
+    Built on the CPU, then moved to the current CUDA device when there is one.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    config = transformer_config(converter, topology, params_dtype=params_dtype, **config_overrides)
+    d = converter.dims
+    if d.padded_vocab_size % topology.tp_size != 0:
+        raise ValueError(
+            f"padded_vocab_size={d.padded_vocab_size} is not divisible by tp={topology.tp_size}; "
+            "build the converter with padded_vocab_size=pad_vocab_size(vocab_size, tp)"
+        )
+    layer_spec = get_gpt_layer_local_spec(
+        num_experts=d.num_experts if converter.moe else None,
+        moe_grouped_gemm=False,
+        qk_layernorm=converter.qk_layernorm,
+        normalization="RMSNorm",
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=d.padded_vocab_size,
+        max_sequence_length=d.max_position_embeddings,
+        pre_process=topology.is_first_stage,
+        post_process=topology.is_last_stage,
+        parallel_output=True,
+        share_embeddings_and_output_weights=d.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=d.rope_theta,
+    )
+    # Megatron builds norms in float32 whatever params_dtype is; its Float16Module casts the
+    # whole module, and so do we, so every parameter has the checkpoint's dtype.
+    model = model.to(dtype=params_dtype)
+    if torch.cuda.is_available():
+        model = model.cuda(torch.cuda.current_device())
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(model)
+
+
+def full_param_names(model: torch.nn.Module, topology: Topology) -> dict[str, str]:
+    """This rank's parameter names -> full names (global layer index, global expert index)."""
+    model = unwrap(model)
+    layers = model.decoder.layers
+    names = {}
+    for local_name, _ in model.named_parameters():
+        full_name = local_name
+        layer_match = _LOCAL_LAYER.match(local_name)
+        if layer_match is not None:
+            layer = layers[int(layer_match.group(1))]
+            suffix = layer_match.group(2)
+            expert_match = _LOCAL_EXPERT.match(suffix)
+            if expert_match is not None:
+                num_local = len(layer.mlp.experts.local_experts)
+                expert = topology.ep_rank * num_local + int(expert_match.group(1))
+                suffix = f"mlp.experts.local_experts.{expert}.{expert_match.group(2)}"
+            full_name = f"decoder.layers.{layer.layer_number - 1}.{suffix}"
+        names[local_name] = full_name
+    return names
+
+
+def is_expert_param(full_name: str) -> bool:
+    """Expert parameters are sharded over expert-tp and ep instead of tp."""
+    return ".mlp.experts." in full_name
+
+
+class _SafetensorsReader:
+    """Lazy tensor getter over a single-file or sharded (index.json) safetensors checkpoint."""
+
+    def __init__(self, hf_dir: Path) -> None:
+        from safetensors import safe_open
+
+        index = hf_dir / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            single = hf_dir / "model.safetensors"
+            if not single.exists():
+                raise ValueError(
+                    f"no model.safetensors or model.safetensors.index.json in {hf_dir}"
+                )
+            with safe_open(str(single), "pt") as handle:
+                weight_map = {name: single.name for name in handle.keys()}  # noqa: SIM118
+        self._files = {
+            file: safe_open(str(hf_dir / file), "pt") for file in sorted(set(weight_map.values()))
+        }
+        self._weight_map = weight_map
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self._weight_map:
+            raise ValueError(f"tensor {name!r} is not in the checkpoint")
+        return self._files[self._weight_map[name]].get_tensor(name)
+
+
+@torch.no_grad()
+def load_hf_checkpoint(
+    model: torch.nn.Module,
+    hf_dir: str | Path,
+    *,
+    converter: DecoderConverter,
+    topology: Topology,
+) -> None:
+    """Copy this rank's shards of an HF safetensors checkpoint into `model` (HF -> Megatron).
+
+    Reads only the HF tensors this rank's parameters are built from. A checkpoint dtype that
+    differs from the parameter dtype is cast (then the copy is no longer bit-identical).
+    """
+    model = unwrap(model)
+    read = _SafetensorsReader(Path(hf_dir))
+    names = full_param_names(model, topology)
+    for local_name, param in model.named_parameters():
+        full_name = names[local_name]
+        full = converter.to_megatron(full_name, read)
+        if getattr(param, "tensor_model_parallel", False):
+            if is_expert_param(full_name):
+                rank, size = topology.expert_tp_rank, topology.expert_tp_size
+            else:
+                rank, size = topology.tp_rank, topology.tp_size
+            full = shard(
+                full,
+                partition_dim=param.partition_dim,
+                rank=rank,
+                num_shards=size,
+                glu=converter.is_glu(full_name),
+            )
+        if full.shape != param.shape:
+            raise ValueError(
+                f"{local_name} ({full_name}): checkpoint shard {tuple(full.shape)} != "
+                f"parameter {tuple(param.shape)} ({topology.describe()})"
+            )
+        param.copy_(full)
+    logger.info("loaded %d parameters from %s (%s)", len(names), hf_dir, topology.describe())
+
+
+def causal_attention_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[1, 1, s, s] bool, True = masked. megatron's default causal mask is built on "cuda"."""
+    ones = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device)
+    return torch.triu(ones, diagonal=1)[None, None]
+
+
+def _local_logits(model: torch.nn.Module, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    gpt = unwrap(model)
+    if not (gpt.pre_process and gpt.post_process):
+        raise ValueError("forward_logits / token_logprobs need the whole model on this rank (PP=1)")
+    batch, seq_len = input_ids.shape
+    position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len)
+    mask = causal_attention_mask(seq_len, input_ids.device)
+    return model(input_ids, position_ids, mask, **kwargs)
+
+
+def forward_logits(
+    model: torch.nn.Module, input_ids: torch.Tensor, *, vocab_size: int
+) -> torch.Tensor:
+    """[batch, seq, vocab_size] logits, gathered over TP with the vocab padding cut off (PP=1)."""
+    logits = _local_logits(model, input_ids, runtime_gather_output=True)
+    return logits[..., :vocab_size]
+
+
+def token_logprobs(
+    model: torch.nn.Module, input_ids: torch.Tensor, *, vocab_size: int
+) -> torch.Tensor:
+    """[batch, seq - 1] float32 log-probs of input_ids[:, 1:] given their prefixes (PP=1).
+
+    Vocab-parallel: the logits stay split over TP (megatron's vocab_parallel_cross_entropy);
+    padded vocab columns are masked to -inf first so they take no probability mass.
+    Differentiable. Megatron refuses MoE + TP>1 in training mode unless the config sets
+    sequence_parallel; call model.eval() for scoring-only passes.
+    """
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    logits = _local_logits(model, input_ids[:, :-1]).float()
+    tp_group = unwrap(model).output_layer.tp_group
+    local_vocab = logits.shape[-1]
+    start = dist.get_rank(tp_group) * local_vocab if dist.get_world_size(tp_group) > 1 else 0
+    columns = torch.arange(start, start + local_vocab, device=logits.device)
+    logits = logits.masked_fill(columns >= vocab_size, float("-inf"))
+    # megatron wants [seq, batch, vocab]; it returns -log p(target).
+    nll = vocab_parallel_cross_entropy(
+        logits.transpose(0, 1).contiguous(), input_ids[:, 1:].t().contiguous()
+    )
+    return -nll.t()
