@@ -1,0 +1,319 @@
+"""The vime weight-sync backends against real vLLM CPU servers, one server per backend.
+
+Each test syncs the weights of a differently seeded tiny Qwen2 into a server through the full
+HTTP lifecycle (pause keep -> start -> update_weights in several buckets -> finish -> resume), then
+checks that every served tensor equals the new weights bit for bit, that greedy output equals
+HF transformers on the new weights, and that the server reports the new weight version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from vime.testing.tiny_model import build_tiny_model
+from vime.weight_sync.buckets import check_against_engine, pack, plan_buckets, tensor_digest
+from vime.weight_sync.transports import GlooTransport, ShmTransport
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+HOST = "127.0.0.1"
+STARTUP_TIMEOUT_S = 240.0
+HTTP_TIMEOUT_S = 120.0
+# Smaller than the embedding and lm_head (256 KiB each): those get buckets of their own and
+# the rest is cut into several buckets.
+MAX_BUCKET_BYTES = 200_000
+NUM_NEW_TOKENS = 12
+PROMPT = "Q: 12+7= A:"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def _http(method: str, url: str, *, timeout_s: float = HTTP_TIMEOUT_S, **kwargs):
+    response = requests.request(method, url, timeout=timeout_s, **kwargs)
+    if response.status_code >= 400:
+        raise RuntimeError(f"{method} {url} -> HTTP {response.status_code}: {response.text[:2000]}")
+    return response.json() if response.content else None
+
+
+class Server:
+    """One vLLM CPU server this test started, in a process group of its own."""
+
+    def __init__(self, model_dir: Path, backend: str, log_path: Path):
+        self.port = _free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.log_path = log_path
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir), "--served-model-name", "tiny",
+            "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+            "--host", HOST, "--port", str(self.port),
+            "--worker-extension-cls", "vime.weight_sync.vllm_extension.VimeWorkerExtension",
+            "--weight-transfer-config", json.dumps({"backend": backend}),
+        ]  # fmt: skip
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+        with open(log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def wait_healthy(self, deadline: float) -> None:
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited ({self.process.returncode}):\n{self._tail()}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not healthy by the deadline:\n{self._tail()}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        # start_new_session made the server a group leader: this ends it and its workers only.
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                continue
+
+    def _tail(self) -> str:
+        return self.log_path.read_bytes()[-4000:].decode(errors="replace")
+
+    def post(self, path: str, **kwargs):
+        return _http("POST", self.url + path, **kwargs)
+
+    def get(self, path: str, **kwargs):
+        return _http("GET", self.url + path, **kwargs)
+
+    def rpc(self, method: str):
+        (result,) = self.post("/collective_rpc", json={"method": method})["results"]
+        return result
+
+    def greedy(self, prompt_ids: list[int]) -> list[int]:
+        body = {
+            "model": "tiny",
+            "prompt": prompt_ids,
+            "max_tokens": NUM_NEW_TOKENS,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        return self.post("/v1/completions", json=body)["choices"][0]["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "old": build_tiny_model(root / "old", seed=0),
+        "new": build_tiny_model(root / "new", seed=1),
+    }
+
+
+@pytest.fixture(scope="module")
+def servers(models, tmp_path_factory):
+    """Both servers start at once: startup dominates this file's runtime."""
+    logs = tmp_path_factory.mktemp("logs")
+    started = {}
+    try:
+        for backend in ("gloo", "shm"):
+            started[backend] = Server(models["old"], backend, logs / f"vllm-{backend}.log")
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for server in started.values():
+            server.wait_healthy(deadline)
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """HF models, their weights in checkpoint order, and the prompt's token ids."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(models["old"])
+    loaded = {}
+    for key, path in models.items():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        loaded[key] = {
+            "model": model,
+            "weights": {name: p.detach() for name, p in model.named_parameters()},
+        }
+    return {"prompt_ids": tokenizer(PROMPT)["input_ids"], **loaded}
+
+
+def _hf_greedy(model, prompt_ids: list[int]) -> list[int]:
+    """Greedy decoding by hand: argmax, no stopping, no logits processors."""
+    ids = torch.tensor([prompt_ids])
+    out = []
+    with torch.no_grad():
+        for _ in range(NUM_NEW_TOKENS):
+            token = int(model(input_ids=ids).logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out
+
+
+def _specs(weights: dict[str, torch.Tensor]):
+    return [(name, t.dtype, tuple(t.shape)) for name, t in weights.items()]
+
+
+def _sync(server: Server, send, version: str) -> None:
+    """The weight-update lifecycle around `send`, which moves the buckets."""
+    server.post("/pause", params={"mode": "keep"})
+    server.post("/start_weight_update")
+    send()
+    server.post("/finish_weight_update", json={"weight_version": version})
+    server.post("/resume")
+
+
+def _update_call(server: Server):
+    return lambda info: server.post("/update_weights", json={"update_info": info})
+
+
+def _filler(weights: dict[str, torch.Tensor]):
+    def fill(bucket, buffer):
+        pack(weights, bucket, buffer)
+
+    return fill
+
+
+def _init_call(server: Server):
+    return lambda info: server.post("/init_weight_transfer_engine", json={"init_info": info})
+
+
+def _check_served(server: Server, reference, key: str, version: str) -> None:
+    expected = {name: tensor_digest(t) for name, t in reference[key]["weights"].items()}
+    served = server.rpc("vime_weight_checksums")
+    mismatched = sorted(name for name in expected.keys() | served.keys()
+                        if expected.get(name) != served.get(name))  # fmt: skip
+    assert not mismatched, f"served tensors differ from the {key} weights: {mismatched}"
+    hf_tokens = _hf_greedy(reference[key]["model"], reference["prompt_ids"])
+    assert server.greedy(reference["prompt_ids"]) == hf_tokens
+    assert server.get("/weight_info") == {"weight_version": version}
+
+
+def test_gloo_backend_syncs_exact_weights(servers, reference):
+    server = servers["gloo"]
+    prompt_ids = reference["prompt_ids"]
+    old_tokens = server.greedy(prompt_ids)
+    assert old_tokens == _hf_greedy(reference["old"]["model"], prompt_ids)
+    assert old_tokens != _hf_greedy(reference["new"]["model"], prompt_ids), "seeds too alike"
+
+    new = reference["new"]["weights"]
+    check_against_engine(_specs(new), server.rpc("vime_weight_metadata"))
+    buckets = plan_buckets(_specs(new), MAX_BUCKET_BYTES, alignment=GlooTransport.alignment)
+    assert len(buckets) >= 4
+    assert any(b.nbytes > MAX_BUCKET_BYTES for b in buckets)  # an oversize tensor alone
+
+    (world_size,) = server.get("/get_world_size").values()
+    transport = GlooTransport(engine_world_sizes=[world_size], timeout_s=60)
+    (init,) = transport.connect([_init_call(server)])
+    assert init["world_size"] == 1 + world_size and init["rank_offset"] == 1
+    try:
+        # All buckets in one update_weights request, one broadcast per bucket.
+        sent = []
+
+        def send_all() -> None:
+            sent.extend(transport.send_buckets(buckets, _filler(new), [_update_call(server)]))
+
+        _sync(server, send_all, version="1")
+        assert len(sent) == 1 and len(sent[0]["buckets"]) == len(buckets)
+        _check_served(server, reference, "new", "1")
+
+        # Same group again, now one request per bucket, back to the old weights.
+        old = reference["old"]["weights"]
+
+        def send_each() -> None:
+            for bucket in buckets:
+                buffer = transport.buffer_for(bucket)
+                pack(old, bucket, buffer)
+                transport.send_bucket(bucket, buffer, [_update_call(server)])
+
+        _sync(server, send_each, version="2")
+        _check_served(server, reference, "old", "2")
+
+        # An engine that rejects the update (here: no start_weight_update) never joins the
+        # broadcast; the transport must surface its error at once, not wait for the timeout.
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="start_weight_update"):
+            transport.send_buckets(buckets, _filler(new), [_update_call(server)])
+        assert time.monotonic() - started < 10
+        with pytest.raises(RuntimeError, match="connect"):
+            transport.send_buckets(buckets, _filler(new), [_update_call(server)])
+        # Neither close() nor a new group waits for the abandoned broadcast's timeout.
+        started = time.monotonic()
+        transport.close()
+        transport.connect([_init_call(server)])
+
+        def send_again() -> None:
+            transport.send_buckets(buckets, _filler(new), [_update_call(server)])
+
+        _sync(server, send_again, version="3")
+        assert time.monotonic() - started < 20
+        _check_served(server, reference, "new", "3")
+    finally:
+        transport.close()
+
+
+def test_shm_backend_syncs_exact_weights_and_cleans_up(servers, reference):
+    server = servers["shm"]
+    new = reference["new"]["weights"]
+    check_against_engine(_specs(new), server.rpc("vime_weight_metadata"))
+    buckets = plan_buckets(_specs(new), MAX_BUCKET_BYTES, alignment=ShmTransport.alignment)
+
+    transport = ShmTransport(timeout_s=60)
+    shm_dir = Path(transport.shm_dir)
+    transport.connect([_init_call(server)])
+    modes = []
+    update = _update_call(server)
+
+    def update_and_inspect(info: dict) -> None:
+        # While the engine reads, the segment exists, private to this user.
+        for described in info["buckets"]:
+            modes.append(stat.S_IMODE((shm_dir / described["shm_name"]).stat().st_mode))
+        update(info)
+
+    try:
+        infos = []
+
+        def send_all() -> None:
+            infos.extend(transport.send_buckets(buckets, _filler(new), [update_and_inspect]))
+
+        _sync(server, send_all, version="1")
+        assert len(infos) == len(buckets) >= 4
+        assert modes == [0o600] * len(buckets)
+        assert not list(shm_dir.glob(f"{transport.prefix}*")), "segments left behind"
+        _check_served(server, reference, "new", "1")
+
+        # A rejected update (no start_weight_update) still unlinks its segment.
+        with pytest.raises(RuntimeError, match="start_weight_update"):
+            transport.send_buckets(buckets, _filler(new), [update])
+        # A segment handed out but never sent is unlinked by close().
+        transport.buffer_for(buckets[0])
+        assert len(list(shm_dir.glob(f"{transport.prefix}*"))) == 1
+    finally:
+        transport.close()
+    assert not list(shm_dir.glob(f"{transport.prefix}*")), "segments left behind"

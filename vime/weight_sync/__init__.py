@@ -1,0 +1,32 @@
+"""Weight sync from trainer ranks into vLLM engines.
+
+- `buckets`: the wire format (plan, pack, unpack), shared by trainer and engine.
+- `transports`: the trainer half of each backend (gloo, shm, nccl, ipc), one interface.
+- `vllm_extension`: the engine half of the vime backends (gloo, shm) plus checksum/metadata RPCs;
+  imported by vLLM workers through `--worker-extension-cls`, never by the trainer.
+"""
+
+from vime.weight_sync.buckets import (
+    ALIGNMENT,
+    Bucket,
+    TensorMeta,
+    check_against_engine,
+    pack,
+    plan_buckets,
+    tensor_digest,
+    unpack,
+)
+
+WORKER_EXTENSION_CLS = "vime.weight_sync.vllm_extension.VimeWorkerExtension"
+
+__all__ = [
+    "ALIGNMENT",
+    "WORKER_EXTENSION_CLS",
+    "Bucket",
+    "TensorMeta",
+    "check_against_engine",
+    "pack",
+    "plan_buckets",
+    "tensor_digest",
+    "unpack",
+]

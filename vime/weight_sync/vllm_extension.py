@@ -1,0 +1,329 @@
+"""Engine side of vime's weight sync: two vLLM weight-transfer backends and a worker extension.
+
+Pass this module's class to the server and pick a backend:
+
+    python -m vllm.entrypoints.openai.api_server --model DIR ... \\
+        --worker-extension-cls vime.weight_sync.vllm_extension.VimeWorkerExtension \\
+        --weight-transfer-config '{"backend": "gloo"}'      # or "shm"
+
+vLLM workers import the extension class before `load_model`, which is when they create their
+weight-transfer engine, so importing this module is enough to register the backends:
+
+- `gloo`: the worker joins a torch.distributed gloo group of its own (a TCPStore rendezvous with
+  the trainer, never vLLM's default process group) and receives one broadcast per bucket.
+- `shm`: the trainer writes each bucket into a POSIX shared-memory segment; the worker maps it
+  read-only and loads from the mapping without copying it first.
+
+Both receive the bucket layout of `vime.weight_sync.buckets` and load through vLLM's layerwise
+reload (start/finish wrap `initialize_layerwise_reload` / `finalize_layerwise_reload`), like
+vLLM's own NCCL and IPC engines.
+
+`VimeWorkerExtension` adds methods callable through `POST /collective_rpc`:
+`vime_weight_metadata` (HF names, dtypes and shapes the engine expects, to check before sending)
+and `vime_weight_checksums` (sha256 per HF-named tensor, to check after).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from vime.weight_sync.buckets import Bucket, dtype_name, tensor_digest, unpack
+from vime.weight_sync.transports.gloo import DEFAULT_GROUP_NAME
+from vime.weight_sync.transports.shm import SHM_DIR
+
+logger = logging.getLogger(__name__)
+
+_SHM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def worker_index(parallel_config: Any) -> int:
+    """This worker's index among all workers of the engine (DP replicas included).
+
+    The same formula as vLLM's NCCL engine, so trainers can use one rank layout for both.
+    """
+    return parallel_config.data_parallel_index * parallel_config.world_size + parallel_config.rank
+
+
+def _parse_buckets(buckets: list[dict[str, Any]]) -> list[Bucket]:
+    if not isinstance(buckets, list) or not buckets:
+        raise ValueError(f"update_info.buckets must be a non-empty list, got {buckets!r:.200}")
+    return [Bucket.from_dict(b) for b in buckets]
+
+
+@dataclass
+class GlooInitInfo(WeightTransferInitInfo):
+    """Where the trainer's TCPStore listens and which ranks this engine's workers take.
+
+    Worker i of the engine (see `worker_index`) joins as rank `rank_offset + i`; the trainer is
+    rank 0 of `world_size`.
+    """
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    timeout_s: float = 600.0
+    group_name: str = DEFAULT_GROUP_NAME
+
+
+@dataclass
+class GlooUpdateInfo(WeightTransferUpdateInfo):
+    """The buckets (Bucket.to_dict) rank 0 broadcasts next, one broadcast each, in order."""
+
+    buckets: list[dict[str, Any]]
+
+    def __post_init__(self) -> None:
+        self.parsed = _parse_buckets(self.buckets)
+
+
+@dataclass
+class ShmInitInfo(WeightTransferInitInfo):
+    """Nothing to rendezvous; the directory the trainer creates segments in."""
+
+    shm_dir: str = SHM_DIR
+
+
+@dataclass
+class ShmUpdateInfo(WeightTransferUpdateInfo):
+    """Buckets (Bucket.to_dict) each with an extra "shm_name": the segment holding its bytes."""
+
+    buckets: list[dict[str, Any]]
+
+    def __post_init__(self) -> None:
+        self.parsed = _parse_buckets(self.buckets)
+        self.shm_names = [b.get("shm_name") for b in self.buckets]
+        for name in self.shm_names:
+            if not isinstance(name, str) or not _SHM_NAME.match(name):
+                raise ValueError(
+                    f"bad shm_name {name!r}: expected a plain file name "
+                    f"(letters, digits, '_', '.', '-')"
+                )
+
+
+class _BucketEngine(WeightTransferEngine):
+    """Shared by the vime backends: layerwise reload around an update, loading from views."""
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class ends with torch.accelerator.synchronize(), which raises on a CPU-only
+        # machine; loads here are synchronous on CPU and only need a sync on an accelerator.
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+
+        # Layerwise reload may keep these views until the rest of their layer arrives, possibly
+        # in a later bucket: each bucket's storage must therefore stay valid and unchanged after
+        # this call, which is why neither backend ever reuses a receive buffer.
+        with disable_mtp_completeness_check():
+            self.model.load_weights(weights)
+
+
+class GlooWeightTransferEngine(_BucketEngine):
+    """Receives buckets by gloo broadcast from trainer rank 0 (CPU, TCP; any host)."""
+
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._group: dist.ProcessGroup | None = None
+        self._store: dist.Store | None = None
+        self._timeout = datetime.timedelta(seconds=600)
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        rank = init_info.rank_offset + worker_index(self.parallel_config)
+        if not 0 < rank < init_info.world_size:
+            raise ValueError(
+                f"worker rank {rank} (rank_offset {init_info.rank_offset} + worker index) is "
+                f"outside 1..{init_info.world_size - 1}; rank 0 is the trainer"
+            )
+        self.shutdown()
+        self._timeout = datetime.timedelta(seconds=init_info.timeout_s)
+        self._store = dist.TCPStore(
+            init_info.master_address,
+            init_info.master_port,
+            init_info.world_size,
+            is_master=False,
+            timeout=self._timeout,
+        )
+        store = dist.PrefixStore(init_info.group_name, self._store)
+        self._group = dist.ProcessGroupGloo(store, rank, init_info.world_size, self._timeout)
+        logger.info(
+            "joined gloo group %r as rank %d of %d via %s:%d",
+            init_info.group_name,
+            rank,
+            init_info.world_size,
+            init_info.master_address,
+            init_info.master_port,
+        )
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if self._group is None:
+            raise RuntimeError("gloo weight transfer not initialized: call init first")
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        for bucket in update_info.parsed:
+            buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
+            self._group.broadcast([buffer], options).wait(self._timeout)
+            self._load(unpack(buffer, bucket))
+
+    def shutdown(self) -> None:
+        self._group = None
+        self._store = None
+
+
+class ShmWeightTransferEngine(_BucketEngine):
+    """Loads buckets straight from the trainer's POSIX shared-memory segments (same host)."""
+
+    init_info_cls = ShmInitInfo
+    update_info_cls = ShmUpdateInfo
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._shm_dir = SHM_DIR
+
+    def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
+        if not os.path.isdir(init_info.shm_dir):
+            raise ValueError(f"shm_dir {init_info.shm_dir!r} is not a directory on this host")
+        self._shm_dir = init_info.shm_dir
+
+    def receive_weights(self, update_info: ShmUpdateInfo) -> None:
+        for bucket, name in zip(update_info.parsed, update_info.shm_names, strict=True):
+            path = os.path.join(self._shm_dir, name)
+            if bucket.nbytes == 0:
+                mapping = torch.empty(0, dtype=torch.uint8)
+            else:
+                # A private read mapping of the segment: no copy is made before load_weights.
+                mapping = torch.from_file(path, shared=False, size=bucket.nbytes, dtype=torch.uint8)
+            self._load(unpack(mapping, bucket))
+            # Dropping our reference closes the mapping once layerwise reload has let go of the
+            # views too; the trainer may unlink the segment as soon as this call returns.
+            del mapping
+
+    def shutdown(self) -> None:
+        pass
+
+
+def hf_named_parameters(
+    model: torch.nn.Module, materialize: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights the model serves, under checkpoint (HF) names.
+
+    vLLM fuses some checkpoint tensors (q/k/v into qkv_proj, gate/up into gate_up_proj, per the
+    model's `packed_modules_mapping`) and pads vocab rows; this splits and trims them back. With
+    `materialize=False` the tensors are meta tensors (names, dtypes and shapes only, no compute).
+    Only for tensor-parallel size 1, where every worker holds whole tensors.
+    """
+    from vllm.distributed import get_tensor_model_parallel_world_size
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    tp_size = get_tensor_model_parallel_world_size()
+    if tp_size != 1:
+        raise ValueError(
+            f"HF-named weights need whole tensors; this engine has tensor-parallel size "
+            f"{tp_size}. Compare with POST /weight_checker instead."
+        )
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    for module_name, module in model.named_modules():
+        leaf = module_name.rsplit(".", 1)[-1]
+        parent = module_name[: -len(leaf)]
+        for param_name, param in module.named_parameters(recurse=False):
+            full_name = f"{module_name}.{param_name}" if module_name else param_name
+            tensor = _served_tensor(module, param_name, param, materialize)
+            if leaf in packed and hasattr(module, "output_sizes"):
+                dim = getattr(param, "output_dim", 0)
+                parts = tensor.split(list(module.output_sizes), dim=dim)
+                for sub_name, part in zip(packed[leaf], parts, strict=True):
+                    yield f"{parent}{sub_name}.{param_name}", part
+            elif isinstance(module, VocabParallelEmbedding):
+                yield full_name, tensor[: module.num_embeddings]
+            else:
+                yield full_name, tensor
+
+
+def _served_tensor(
+    module: torch.nn.Module, param_name: str, param: torch.Tensor, materialize: bool
+) -> torch.Tensor:
+    """`param` itself, except for linear weights that vLLM's CPU backend moved into a kernel.
+
+    On CPU, vLLM repacks each linear weight into a oneDNN/SGL kernel and leaves an empty
+    `weight`. The served matrix is read back through the kernel itself, from identity rows: each
+    output element is a single product with 1.0, so the result is exact.
+    """
+    cpu_linear = getattr(module, "cpu_linear", None)
+    if param_name != "weight" or param.numel() != 0 or cpu_linear is None:
+        return param if materialize else torch.empty(param.shape, dtype=param.dtype, device="meta")
+    rows = getattr(module, "output_size_per_partition", None) or module.output_size
+    cols = getattr(module, "input_size_per_partition", None) or module.input_size
+    if not materialize:
+        return torch.empty((rows, cols), dtype=param.dtype, device="meta")
+    transposed = torch.empty((cols, rows), dtype=param.dtype)
+    chunk = 1024
+    with torch.no_grad():
+        for start in range(0, cols, chunk):
+            stop = min(start + chunk, cols)
+            identity = torch.zeros((stop - start, cols), dtype=param.dtype)
+            identity[torch.arange(stop - start), torch.arange(start, stop)] = 1
+            transposed[start:stop] = cpu_linear(identity, param, None)
+    return transposed.t()
+
+
+class VimeWorkerExtension:
+    """Mixed into vLLM's Worker by `--worker-extension-cls`; methods reachable by collective_rpc.
+
+    Names start with `vime_` so they cannot clash with Worker attributes (vLLM rejects clashes).
+    Each worker answers for its own part of the model; /collective_rpc returns one result per
+    worker.
+    """
+
+    def vime_weight_metadata(self) -> list[dict[str, Any]]:
+        """[{"name", "dtype", "shape"}] of every weight this worker serves, under HF names."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return [
+            {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+            for name, t in hf_named_parameters(model, materialize=False)
+        ]
+
+    def vime_weight_checksums(self) -> dict[str, str]:
+        """{HF name: sha256 hex of the tensor's bytes} for every weight this worker serves."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return {name: tensor_digest(t) for name, t in hf_named_parameters(model)}
+
+
+def register_backends() -> None:
+    """Register the vime backends with vLLM's factory (idempotent)."""
+    for name, engine_cls in (("gloo", GlooWeightTransferEngine), ("shm", ShmWeightTransferEngine)):
+        if name not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(name, engine_cls)
+
+
+register_backends()
