@@ -33,7 +33,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch, `import torchvision` fails and takes `import transformers` model classes down with it.
 # Text models need none of them.
 .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec >> .venv/pip-install.log 2>&1
-.venv/bin/python - <<'PY'
+.venv/bin/python -W ignore - <<'PY'
 import megatron.core, ray, torch, transformers, vllm
 from transformers import AutoModelForCausalLM  # fails if a CUDA torchvision is still around
 print(f"setup: torch {torch.__version__}, vllm {vllm.__version__}, megatron-core "
