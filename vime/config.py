@@ -95,6 +95,84 @@ class EngineConfig(StrictModel):
         return self
 
 
+WeightSyncMode = Literal["distributed", "tensor"]
+# Which trainer transports can serve each mode: distributed = a broadcast group across hosts,
+# tensor = colocated, the engine reads the trainer's memory on the same host.
+TRANSPORTS_BY_MODE: dict[str, tuple[str, ...]] = {
+    "distributed": ("gloo", "nccl"),
+    "tensor": ("shm", "ipc"),
+}
+
+
+class WeightSyncConfig(StrictModel):
+    """How trainer ranks push weights into the rollout engines after each optimizer step."""
+
+    mode: WeightSyncMode = Field(
+        "distributed",
+        description=(
+            "distributed: each pipeline stage's sender broadcasts to the engines' workers "
+            "(UpdateWeightFromDistributed). tensor: colocated, engines read buffers the senders "
+            "wrote on the same host (UpdateWeightFromTensor)."
+        ),
+    )
+    transport: WeightTransferBackend = Field(
+        "gloo",
+        description=(
+            "Trainer transport; must match the engines' --weight-transfer-config backend. "
+            "distributed: gloo (CPU, TCP) or nccl (GPU). tensor: shm (CPU) or ipc (CUDA IPC)."
+        ),
+    )
+    update_weight_buffer_size: int = Field(
+        512 * 1024**2,
+        gt=0,
+        description="Cap of one bucket in bytes (a tensor larger than this gets a bucket alone).",
+    )
+    clear_cache_on_pause: bool = Field(
+        False,
+        description=(
+            "clear_cache for the keep pause. True: in-flight requests re-prefill on the new "
+            "weights. False: they keep KV from the old weights and the prefix cache cannot be "
+            "flushed while they hold it (reported as prefix_cache_flushed=False)."
+        ),
+    )
+    flush_cache_timeout_s: float = Field(
+        1.0,
+        gt=0,
+        description="Bound on the prefix-cache flush after the pause; failing it only warns.",
+    )
+    barrier_timeout_s: float = Field(
+        600.0, gt=0, description="Timeout of every barrier between trainer ranks in a sync."
+    )
+    transfer_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Timeout of each engine call and of each bucket transfer in a sync.",
+    )
+    verify_checksums: bool = Field(
+        False,
+        description=(
+            "After each sync, compare the engine's per-tensor sha256 with the sent tensors' "
+            "(slow for big models: the engine reads back every weight)."
+        ),
+    )
+    master_address: str = Field(
+        "127.0.0.1",
+        description="Address of the pp senders that engine workers connect to (gloo, nccl).",
+    )
+
+    @model_validator(mode="after")
+    def _check_transport(self) -> WeightSyncConfig:
+        allowed = TRANSPORTS_BY_MODE[self.mode]
+        if self.transport not in allowed:
+            other = next(m for m, ts in TRANSPORTS_BY_MODE.items() if self.transport in ts)
+            raise ValueError(
+                f"transport {self.transport!r} does not serve mode {self.mode!r}: use transport "
+                f"{' or '.join(map(repr, allowed))} with mode {self.mode!r}, or mode {other!r} "
+                f"with transport {self.transport!r}"
+            )
+        return self
+
+
 def _set_dotted(tree: dict[str, Any], dotted_key: str, value: Any) -> None:
     node = tree
     *parents, leaf = dotted_key.split(".")

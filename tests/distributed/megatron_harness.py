@@ -123,12 +123,14 @@ def _worker(rank: int, world_size: int, port: int, job: Job, out_dir: str) -> No
     dist.destroy_process_group()
 
 
-def run_workers(job: Job, world_size: int, out_dir: Path, *, timeout_s: float = 150.0) -> list:
-    """Run `job` on `world_size` spawned gloo processes; return each rank's result, rank order."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+def spawn_ranks(target, world_size: int, args: tuple, *, timeout_s: float, what: str) -> None:
+    """Run `target(rank, world_size, port, *args)` on `world_size` spawned processes.
+
+    Kills the processes it spawned (only those) when `timeout_s` passes or one of them fails.
+    """
     context = mp.start_processes(
-        _worker,
-        args=(world_size, free_port(), job, str(out_dir)),
+        target,
+        args=(world_size, free_port(), *args),
         nprocs=world_size,
         join=False,
         start_method="spawn",
@@ -137,10 +139,16 @@ def run_workers(job: Job, world_size: int, out_dir: Path, *, timeout_s: float = 
     try:
         while not context.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"workers did not finish within {timeout_s} s ({job})")
+                raise TimeoutError(f"workers did not finish within {timeout_s} s ({what})")
     finally:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
                 process.join(timeout=10)
+
+
+def run_workers(job: Job, world_size: int, out_dir: Path, *, timeout_s: float = 150.0) -> list:
+    """Run `job` on `world_size` spawned gloo processes; return each rank's result, rank order."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spawn_ranks(_worker, world_size, (job, str(out_dir)), timeout_s=timeout_s, what=str(job))
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -224,6 +224,17 @@ def test_check_against_engine_names_every_problem():
     assert "(3, 2)" in message and "bfloat16" in message
 
 
+def test_check_against_engine_allows_only_lossless_casts_when_asked():
+    expected = [{"name": "bias", "dtype": "float32", "shape": [4]}]
+    narrower = [("bias", torch.bfloat16, (4,))]
+    with pytest.raises(ValueError, match="bias"):
+        check_against_engine(narrower, expected)
+    check_against_engine(narrower, expected, allow_lossless_casts=True)
+    wider = [{"name": "bias", "dtype": "bfloat16", "shape": [4]}]
+    with pytest.raises(ValueError, match="sending"):  # float32 -> bfloat16 would round
+        check_against_engine([("bias", torch.float32, (4,))], wider, allow_lossless_casts=True)
+
+
 # ---- the GPU transports' payloads, checked against vLLM's own parsers (no CUDA needed) -----
 
 

@@ -259,14 +259,28 @@ def unpack(buffer: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tensor
     return [(meta.name, _view(buffer, meta)) for meta in bucket.tensors]
 
 
+# Sent dtype -> served dtypes the engine's loader reaches exactly (its copy_ upcasts). vLLM's CPU
+# build serves some tensors of a bfloat16 model in float32 (e.g. Qwen2's q/k/v biases).
+LOSSLESS_CASTS: dict[str, frozenset[str]] = {
+    "bfloat16": frozenset({"float32", "float64"}),
+    "float16": frozenset({"float32", "float64"}),
+    "float32": frozenset({"float64"}),
+}
+
+
 def check_against_engine(
-    params: Iterable[TensorMeta | ParamSpec], expected: Iterable[Mapping[str, Any]]
+    params: Iterable[TensorMeta | ParamSpec],
+    expected: Iterable[Mapping[str, Any]],
+    *,
+    allow_lossless_casts: bool = False,
 ) -> None:
     """Raise ValueError unless `params` match what an engine expects, name for name.
 
     `expected` is the engine's answer to `vime_weight_metadata` ({"name", "dtype", "shape"} per
     tensor). Run it before moving any bytes: a wrong name or shape would otherwise surface as a
-    failed load deep inside the engine, mid-update.
+    failed load deep inside the engine, mid-update. With `allow_lossless_casts`, a tensor may be
+    sent in a narrower float dtype than the engine serves (see LOSSLESS_CASTS): the served values
+    then still equal the sent ones exactly.
     """
     ours = {name: (dtype_name(dtype), shape) for name, dtype, shape in map(_as_spec, params)}
     theirs = {e["name"]: (e["dtype"], tuple(e["shape"])) for e in expected}
@@ -276,7 +290,9 @@ def check_against_engine(
     if extra := sorted(ours.keys() - theirs.keys()):
         problems.append(f"unknown to the engine: {extra[:10]}")
     for name in sorted(ours.keys() & theirs.keys()):
-        if ours[name] != theirs[name]:
+        (our_dtype, our_shape), (their_dtype, their_shape) = ours[name], theirs[name]
+        castable = allow_lossless_casts and their_dtype in LOSSLESS_CASTS.get(our_dtype, ())
+        if our_shape != their_shape or (our_dtype != their_dtype and not castable):
             problems.append(f"{name}: sending {ours[name]}, engine has {theirs[name]}")
     if problems:
         raise ValueError("weights do not match the engine's: " + "; ".join(problems[:20]))

@@ -9,8 +9,10 @@ Pass this module's class to the server and pick a backend:
 vLLM workers import the extension class before `load_model`, which is when they create their
 weight-transfer engine, so importing this module is enough to register the backends:
 
-- `gloo`: the worker joins a torch.distributed gloo group of its own (a TCPStore rendezvous with
-  the trainer, never vLLM's default process group) and receives one broadcast per bucket.
+- `gloo`: the worker joins torch.distributed gloo groups of its own (a TCPStore rendezvous with
+  the trainer, never vLLM's default process group) and receives one broadcast per bucket. It can
+  hold several groups at once, keyed by `group_name` (one per trainer pipeline stage, each with
+  that stage's sender as rank 0); each update names the group its buckets come from.
 - `shm`: the trainer writes each bucket into a POSIX shared-memory segment; the worker maps it
   read-only and loads from the mapping without copying it first.
 
@@ -83,9 +85,10 @@ class GlooInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
-    """The buckets (Bucket.to_dict) rank 0 broadcasts next, one broadcast each, in order."""
+    """The buckets (Bucket.to_dict) rank 0 of `group_name` broadcasts next, one each, in order."""
 
     buckets: list[dict[str, Any]]
+    group_name: str = DEFAULT_GROUP_NAME
 
     def __post_init__(self) -> None:
         self.parsed = _parse_buckets(self.buckets)
@@ -148,16 +151,18 @@ class _BucketEngine(WeightTransferEngine):
 
 
 class GlooWeightTransferEngine(_BucketEngine):
-    """Receives buckets by gloo broadcast from trainer rank 0 (CPU, TCP; any host)."""
+    """Receives buckets by gloo broadcast from rank 0 of a named group (CPU, TCP; any host).
+
+    Holds one group per `group_name`: initialising a name again replaces that group only.
+    """
 
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._group: dist.ProcessGroup | None = None
-        self._store: dist.Store | None = None
-        self._timeout = datetime.timedelta(seconds=600)
+        # group_name -> (store, group, timeout); the store must outlive its group.
+        self._groups: dict[str, tuple[dist.Store, dist.ProcessGroup, datetime.timedelta]] = {}
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         rank = init_info.rank_offset + worker_index(self.parallel_config)
@@ -166,17 +171,18 @@ class GlooWeightTransferEngine(_BucketEngine):
                 f"worker rank {rank} (rank_offset {init_info.rank_offset} + worker index) is "
                 f"outside 1..{init_info.world_size - 1}; rank 0 is the trainer"
             )
-        self.shutdown()
-        self._timeout = datetime.timedelta(seconds=init_info.timeout_s)
-        self._store = dist.TCPStore(
+        self._groups.pop(init_info.group_name, None)
+        timeout = datetime.timedelta(seconds=init_info.timeout_s)
+        store = dist.TCPStore(
             init_info.master_address,
             init_info.master_port,
             init_info.world_size,
             is_master=False,
-            timeout=self._timeout,
+            timeout=timeout,
         )
-        store = dist.PrefixStore(init_info.group_name, self._store)
-        self._group = dist.ProcessGroupGloo(store, rank, init_info.world_size, self._timeout)
+        prefixed = dist.PrefixStore(init_info.group_name, store)
+        group = dist.ProcessGroupGloo(prefixed, rank, init_info.world_size, timeout)
+        self._groups[init_info.group_name] = (store, group, timeout)
         logger.info(
             "joined gloo group %r as rank %d of %d via %s:%d",
             init_info.group_name,
@@ -187,18 +193,22 @@ class GlooWeightTransferEngine(_BucketEngine):
         )
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        if self._group is None:
-            raise RuntimeError("gloo weight transfer not initialized: call init first")
+        if update_info.group_name not in self._groups:
+            raise RuntimeError(
+                f"gloo weight transfer group {update_info.group_name!r} not initialized "
+                f"(have {sorted(self._groups)}): call init_weight_transfer_engine with that "
+                "group_name first"
+            )
+        _, group, timeout = self._groups[update_info.group_name]
         options = dist.BroadcastOptions()
         options.rootRank = 0
         for bucket in update_info.parsed:
             buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
-            self._group.broadcast([buffer], options).wait(self._timeout)
+            group.broadcast([buffer], options).wait(timeout)
             self._load(unpack(buffer, bucket))
 
     def shutdown(self) -> None:
-        self._group = None
-        self._store = None
+        self._groups.clear()
 
 
 class ShmWeightTransferEngine(_BucketEngine):

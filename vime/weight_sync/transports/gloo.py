@@ -155,7 +155,7 @@ class GlooTransport(Transport):
             raise ValueError(
                 f"{len(update_calls)} update calls for {len(self.engine_world_sizes)} engines"
             )
-        update_info = {"buckets": [b.to_dict() for b in buckets]}
+        update_info = {"buckets": [b.to_dict() for b in buckets], "group_name": self.group_name}
         options = dist.BroadcastOptions()
         options.rootRank = 0
         if buffers is not None:

@@ -1,0 +1,313 @@
+"""Weight sync end to end: real megatron-core trainer ranks on gloo into real vLLM CPU servers.
+
+Three servers for the module (qwen2-tiny float32): A and C run the vime `gloo` backend, B `shm`.
+Each job spawns trainer ranks in one parallel layout (TP1xPP1, TP2xPP1, TP1xPP2) that take SGD
+steps and sync with UpdateWeightFromDistributed (gloo) and UpdateWeightFromTensor (shm); see
+`weight_sync_harness`. After every sync the served tensors must equal the trainer's exported
+weights bit for bit and greedy output must equal HF transformers on those weights.
+
+    pytest -m distributed tests/distributed/test_weight_sync.py
+"""
+
+from __future__ import annotations
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from weight_sync_harness import GREEDY_TOKENS, PROMPT_IDS, SyncJob, SyncStep, run_sync_job
+
+from vime.config import EngineConfig
+from vime.rollout.vllm_engine import VLLMEngine
+from vime.weight_sync.buckets import dtype_from_name, tensor_digest
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+SEED_CHECK_TOKENS = 48  # continuation tokens compared with HF after a clear_cache switch
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_builder) -> str:
+    return str(model_builder("qwen2-tiny", "float32"))
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir, model_builder, tmp_path_factory):
+    """A, C: gloo; B: shm; D: gloo serving the bfloat16 checkpoint. Launched at once."""
+    log_dir = str(tmp_path_factory.mktemp("engine-logs"))
+    bf16_dir = str(model_builder("qwen2-tiny", "bfloat16"))
+    backends = {
+        "A": ("gloo", model_dir, "float32"),
+        "B": ("shm", model_dir, "float32"),
+        "C": ("gloo", model_dir, "float32"),
+        "D": ("gloo", bf16_dir, "bfloat16"),
+    }
+    engines = {
+        name: VLLMEngine(
+            EngineConfig(
+                model_path=path,
+                weight_transfer_backend=backend,
+                dtype=dtype,
+                max_model_len=2048,  # room for the long in-flight request
+                startup_timeout_s=300,
+                request_timeout_s=60,
+            ),
+            rank=index,
+            log_dir=log_dir,
+        )
+        for index, (name, (backend, path, dtype)) in enumerate(backends.items())
+    }
+    try:
+        with ThreadPoolExecutor(len(engines)) as pool:
+            list(pool.map(lambda engine: engine.init(), engines.values()))
+        yield {name: engine.url for name, engine in engines.items()}
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+
+
+class HFReference:
+    """HF transformers on exported weights: the tiny model's config with other tensors."""
+
+    def __init__(self, model_dir: str, root: Path):
+        self.model_dir = Path(model_dir)
+        self.root = root
+        self.count = 0
+
+    def load(self, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
+        from transformers import AutoModelForCausalLM
+
+        self.count += 1
+        out = self.root / f"exported-{self.count}"
+        out.mkdir(parents=True)
+        for file in self.model_dir.iterdir():
+            if file.is_file() and file.suffix != ".safetensors":
+                shutil.copy(file, out / file.name)
+        save_file(
+            {k: v.contiguous() for k, v in weights.items()},
+            out / "model.safetensors",
+            metadata={"format": "pt"},
+        )
+        return AutoModelForCausalLM.from_pretrained(out, dtype=dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir, tmp_path_factory) -> HFReference:
+    return HFReference(model_dir, tmp_path_factory.mktemp("hf"))
+
+
+def hf_greedy(model, prompt_ids, num_tokens: int) -> list[int]:
+    """Greedy decoding with the KV cache: argmax, no stopping, no logits processors."""
+    ids = torch.tensor([list(prompt_ids)])
+    out = []
+    past = None
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            result = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            token = int(result.logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.tensor([[token]])
+    return out
+
+
+def assert_synced(record: dict, exported: dict, hf: HFReference, checkpoint: dict) -> None:
+    """Every engine of the step serves `exported` exactly and generates like HF on it."""
+    step = record["step"]
+    assert exported, "no weights exported"
+    assert any(not torch.equal(t, checkpoint[name]) for name, t in exported.items()), (
+        "the SGD step changed nothing"
+    )
+    dtype = next(iter(exported.values())).dtype
+    reference_tokens = hf_greedy(hf.load(exported, dtype), PROMPT_IDS, GREEDY_TOKENS)
+    for engine in record["engines"]:
+        # vLLM CPU serves some tensors of a bfloat16 model in float32 (an exact upcast).
+        served_dtypes = engine["served_dtypes"]
+        expected = {
+            name: tensor_digest(t.to(dtype_from_name(served_dtypes[name])))
+            for name, t in exported.items()
+        }
+        served = engine["checksums"]
+        differ = sorted(
+            n for n in expected.keys() | served.keys() if expected.get(n) != served.get(n)
+        )
+        assert not differ, f"{engine['url']} serves tensors unlike the trainer's: {differ}"
+        assert engine["greedy"] == reference_tokens, engine["url"]
+        assert engine["weight_version"] == str(step.version)
+        assert engine["is_paused"] is False
+    report = record["report"]
+    assert report.weight_version == step.version
+    assert report.verified
+    assert {"pause", "start", "send", "finish", "verify", "resume"} <= set(report.seconds)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(model_dir) -> dict:
+    return load_file(Path(model_dir) / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(model_builder) -> dict:
+    return load_file(Path(model_builder("qwen2-tiny", "bfloat16")) / "model.safetensors")
+
+
+# ---- TP1 x PP1: both modes, a request in flight, a mismatch, a failed send ------------------
+
+
+@pytest.fixture(scope="module")
+def tp1_run(servers, model_dir, model_builder, tmp_path_factory):
+    a, b = (servers["A"],), (servers["B"],)
+    steps = (
+        SyncStep("distributed", "gloo", a, version=1, inflight=True),
+        SyncStep("tensor", "shm", b, version=1),
+        SyncStep(
+            "distributed",
+            "gloo",
+            a,
+            version=99,
+            model_dir=str(model_builder("qwen3-tiny", "float32")),
+            expect_error=True,
+        ),
+        SyncStep("tensor", "shm", b, version=2, fail_in_send=True),
+        SyncStep("tensor", "shm", b, version=3),  # the same updater again, after the failure
+        SyncStep("distributed", "gloo", a, version=2, inflight=True, clear_cache=True),
+    )
+    job = SyncJob(model_dir=model_dir, steps=steps)
+    return run_sync_job(job, 1, tmp_path_factory.mktemp("tp1"))
+
+
+@pytest.fixture(scope="module")
+def tp2_run(servers, model_dir, tmp_path_factory):
+    a, b = (servers["A"],), (servers["B"],)
+    steps = (
+        SyncStep("distributed", "gloo", a, version=10),
+        SyncStep("tensor", "shm", b, version=10),
+        SyncStep("distributed", "gloo", a, version=11),
+    )
+    job = SyncJob(model_dir=model_dir, tp=2, steps=steps)
+    return run_sync_job(job, 2, tmp_path_factory.mktemp("tp2"))
+
+
+@pytest.fixture(scope="module")
+def pp2_run(servers, model_dir, model_builder, tmp_path_factory):
+    bf16_dir = str(model_builder("qwen2-tiny", "bfloat16"))
+    steps = (
+        SyncStep("distributed", "gloo", (servers["A"], servers["C"]), version=20),
+        SyncStep("tensor", "shm", (servers["B"],), version=20),
+        SyncStep(
+            "distributed",
+            "gloo",
+            (servers["D"],),
+            version=20,
+            model_dir=bf16_dir,
+            model_dtype="bfloat16",
+        ),
+    )
+    job = SyncJob(model_dir=model_dir, pp=2, steps=steps)
+    return run_sync_job(job, 2, tmp_path_factory.mktemp("pp2"))
+
+
+@pytest.mark.parametrize(
+    ("run", "step_indices"),
+    [("tp1_run", (0, 1, 4, 5)), ("tp2_run", (0, 1, 2)), ("pp2_run", (0, 1, 2))],
+    ids=["tp1pp1", "tp2pp1", "tp1pp2"],
+)
+def test_sync_serves_exact_trainer_weights(
+    request, run, step_indices, hf, checkpoint, bf16_checkpoint
+):
+    records, exported = request.getfixturevalue(run)
+    for index in step_indices:
+        step = records[index]["step"]
+        original = bf16_checkpoint if step.model_dtype == "bfloat16" else checkpoint
+        assert_synced(records[index], exported[index], hf, original)
+    if run == "pp2_run":
+        # Both stages reached both engines of the gloo step, each over its own group.
+        assert len(records[0]["engines"]) == 2
+        assert next(iter(exported[2].values())).dtype == torch.bfloat16
+    modes = {(records[i]["step"].mode, records[i]["step"].transport) for i in step_indices}
+    assert modes == {("distributed", "gloo"), ("tensor", "shm")}
+
+
+def test_request_in_flight_continues_on_new_weights(tp1_run):
+    records, _ = tp1_run
+    record = records[0]
+    inflight = record["inflight"]
+    assert inflight["finish_reason"] == "length"
+    versions = inflight["weight_versions"]
+    runs = []
+    for version in versions:
+        if runs and runs[-1][0] == version:
+            runs[-1][1] += 1
+        else:
+            runs.append([version, 1])
+    # Tokens before the pause carry the old version, every token after it the new one.
+    assert len(runs) == 2 and runs[1][0] == "1", runs
+    assert runs[0][1] > 0 and runs[1][1] > 0
+    # keep + clear_cache=False: the frozen request held KV blocks, the flush could not happen.
+    assert record["report"].prefix_cache_flushed is False
+
+
+def test_clear_cache_switch_continues_like_a_fresh_model(tp1_run, hf):
+    """The seed's validation: after a keep pause with clear_cache=True the request re-prefills,
+    so its tokens after the switch are what the new weights generate from prompt + old tokens."""
+    records, exported = tp1_run
+    record = records[5]
+    assert record["report"].prefix_cache_flushed is True
+    tokens = record["inflight"]["token_ids"]
+    versions = record["inflight"]["weight_versions"]
+    switch = versions.index("2")
+    assert 0 < switch < len(tokens) - SEED_CHECK_TOKENS, (switch, len(tokens))
+    assert set(versions[switch:]) == {"2"}
+    model = hf.load(exported[5])
+    expected = hf_greedy(model, [*PROMPT_IDS, *tokens[:switch]], SEED_CHECK_TOKENS)
+    assert tokens[switch : switch + SEED_CHECK_TOKENS] == expected
+
+
+def test_mismatched_weights_rejected_before_any_transfer(tp1_run, checkpoint):
+    records, _ = tp1_run
+    record = records[2]
+    message = record["error"]  # a Qwen3 trainer against the Qwen2 engine
+    assert "nothing was sent" in message and "engine 0" in message
+    assert "missing (the engine expects them)" in message and "q_proj.bias" in message
+    assert "unknown to the engine" in message and "q_norm.weight" in message
+    assert record["error_s"] < 10
+    (engine,) = record["engines"]
+    assert engine["is_paused"] is False
+    assert engine["weight_version"] == "1"  # still the previous sync's
+    assert engine["checksums"] == records[0]["engines"][0]["checksums"]
+
+
+def test_failed_send_leaves_engines_serving(tp1_run, hf, checkpoint):
+    records, exported = tp1_run
+    record = records[3]
+    assert record["error_phase"] == "send"
+    assert "send" in record["error"] and "injected failure" in record["error"]
+    (engine,) = record["engines"]
+    assert engine["is_paused"] is False
+    assert engine["weight_version"] == "2-failed"
+    assert len(engine["greedy"]) == GREEDY_TOKENS
+    # The next sync with the same updater repairs the engine.
+    assert_synced(records[4], exported[4], hf, checkpoint)
+
+
+def test_ray_engine_wraps_an_actor_with_timeouts(servers, model_dir):
+    """Updaters take Ray actors through RayEngine: plain calls, each bounded by a timeout."""
+    import ray
+
+    from vime.rollout.ray_engine import RayEngine
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        config = EngineConfig(model_path=model_dir, request_timeout_s=30)
+        actor = ray.remote(num_cpus=0)(VLLMEngine).remote(config, url=servers["A"])
+        engine = RayEngine(actor, timeout_s=60)
+        assert engine.init() == servers["A"]
+        assert engine.is_paused() is False
+        assert engine.get_world_size() == 1
+        with pytest.raises(TimeoutError, match=r"get_weight_version\(\) did not return"):
+            RayEngine(actor, timeout_s=1e-6).get_weight_version()
+    finally:
+        ray.shutdown()

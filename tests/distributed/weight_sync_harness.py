@@ -1,0 +1,329 @@
+"""Trainer ranks for the weight-sync tests: real megatron-core on gloo, syncing into vLLM servers.
+
+`run_sync_job(job, world_size, out_dir)` spawns the ranks. Each builds the model from an HF
+checkpoint and then, per `SyncStep`: takes a real SGD step (a deterministic perturbation of every
+parameter), syncs into the step's engines with the updater of the step's mode, exports the same
+weights through a separate gather (pp senders write them to out_dir), and on rank 0 records what
+the engines serve (checksums, greedy tokens, weight version, an in-flight request's tokens).
+The test process asserts on those files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import traceback
+import zlib
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import requests
+import torch
+from megatron_harness import spawn_ranks
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=90)
+GREEDY_TOKENS = 12
+PROMPT_IDS = (11, 22, 33, 44, 55)
+INFLIGHT_TOKENS = 1500  # long enough that the pause lands mid-request on 2 busy cores
+
+
+@dataclass(frozen=True)
+class SyncStep:
+    mode: str  # "distributed" | "tensor"
+    transport: str  # gloo | shm
+    engine_urls: tuple[str, ...]
+    version: int  # the engines serve str(version) after the step
+    clear_cache: bool = False
+    inflight: bool = False  # a greedy request runs across the sync
+    model_dtype: str | None = None  # another model (e.g. a mismatch); None: the job's model
+    model_dir: str | None = None
+    expect_error: bool = False  # connect() must raise; nothing is synced
+    fail_in_send: bool = False  # the pp sender of the last stage raises after its first bucket
+    bucket_bytes: int = 200_000
+
+
+@dataclass(frozen=True)
+class SyncJob:
+    model_dir: str
+    dtype: str = "float32"
+    tp: int = 1
+    pp: int = 1
+    steps: tuple[SyncStep, ...] = field(default=())
+
+
+def perturb(model, topology, optimizer, step: int) -> None:
+    """One real SGD step on a loss whose gradient is a fixed random tensor per parameter.
+
+    Replicated parameters get the same gradient on every TP rank; TP shards get their own.
+    """
+    from vime.megatron.model import full_param_names
+
+    names = full_param_names(model, topology)
+    optimizer.zero_grad()
+    loss = torch.zeros(())
+    for local_name, param in model.named_parameters():
+        shard = topology.tp_rank if getattr(param, "tensor_model_parallel", False) else 0
+        seed = zlib.crc32(f"{names[local_name]}|{shard}|{step}".encode())
+        direction = torch.randn(param.shape, generator=torch.Generator().manual_seed(seed))
+        loss = loss + (param.float() * direction).sum()
+    loss.backward()
+    optimizer.step()
+
+
+def completions_greedy(url: str, prompt_ids, max_tokens: int = GREEDY_TOKENS) -> list[int]:
+    body = {
+        "model": requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"],
+        "prompt": list(prompt_ids),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    response = requests.post(f"{url}/v1/completions", json=body, timeout=120)
+    response.raise_for_status()
+    return response.json()["choices"][0]["token_ids"]
+
+
+class InflightRequest:
+    """A greedy streamed request on its own thread and event loop."""
+
+    def __init__(self, url: str):
+        from vime.rollout.generation import GenerationClient, SamplingConfig
+
+        self.seen_tokens = threading.Event()
+        self.result = None
+        self.error: BaseException | None = None
+
+        def on_tokens(result) -> None:
+            if result.token_ids:
+                self.seen_tokens.set()
+
+        async def generate() -> None:
+            async with GenerationClient([url], timeout_s=300) as client:
+                sampling = SamplingConfig(
+                    max_tokens=INFLIGHT_TOKENS, temperature=0.0, ignore_eos=True
+                )
+                self.result = await client.generate(PROMPT_IDS, sampling, on_tokens=on_tokens)
+
+        def run() -> None:
+            try:
+                asyncio.run(generate())
+            except BaseException as exc:
+                self.error = exc
+                self.seen_tokens.set()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def wait_started(self, timeout_s: float = 60) -> None:
+        assert self.seen_tokens.wait(timeout_s), "in-flight request produced no tokens"
+
+    def join(self, timeout_s: float = 300):
+        self.thread.join(timeout_s)
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None, "in-flight request did not finish"
+        return self.result
+
+
+def _worker(rank: int, world_size: int, port: int, job: SyncJob, out_dir: str) -> None:
+    try:
+        _run(rank, world_size, port, job, Path(out_dir))
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}-error.txt").write_text(traceback.format_exc())
+        raise
+
+
+def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> None:
+    import logging
+
+    import torch.distributed as dist
+
+    from vime.config import EngineConfig, WeightSyncConfig
+    from vime.megatron.converters import get_converter
+    from vime.megatron.gather import GatherGroups, gather_hf_weights
+    from vime.megatron.model import (
+        build_gpt_model,
+        initialize_model_parallel,
+        load_hf_checkpoint,
+        load_hf_config,
+        pad_vocab_size,
+    )
+    from vime.rollout.vllm_engine import VLLMEngine
+    from vime.weight_sync.update_from_distributed import UpdateWeightFromDistributed
+    from vime.weight_sync.update_from_tensor import UpdateWeightFromTensor
+
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    topology = initialize_model_parallel(tp=job.tp, pp=job.pp, timeout=COLLECTIVE_TIMEOUT)
+    groups = GatherGroups.from_parallel_state()
+    sync_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+
+    models = {}
+
+    def model_for(model_dir: str, dtype: str):
+        if (model_dir, dtype) not in models:
+            hf_config = load_hf_config(model_dir)
+            padded = pad_vocab_size(hf_config.vocab_size, topology.tp_size, divisible_by=96)
+            converter = get_converter(hf_config, padded_vocab_size=padded)
+            model = build_gpt_model(converter, topology, params_dtype=getattr(torch, dtype))
+            load_hf_checkpoint(model, model_dir, converter=converter, topology=topology)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+            models[model_dir, dtype] = (model, converter, optimizer)
+        return models[model_dir, dtype]
+
+    updaters = {}
+    for index, step in enumerate(job.steps):
+        model_dir = step.model_dir or job.model_dir
+        model, converter, optimizer = model_for(model_dir, step.model_dtype or job.dtype)
+        record: dict = {"step": step}
+        if not step.expect_error:
+            perturb(model, topology, optimizer, index)
+        engine_config = EngineConfig(model_path=model_dir, request_timeout_s=60)
+        key = (step.mode, step.transport, step.engine_urls, step.clear_cache, model_dir)
+        if key not in updaters or step.expect_error:
+            engines = []
+            for url in step.engine_urls:
+                engine = VLLMEngine(engine_config, url=url)
+                engine.init()
+                engines.append(engine)
+            config = WeightSyncConfig(
+                mode=step.mode,
+                transport=step.transport,
+                update_weight_buffer_size=step.bucket_bytes,
+                clear_cache_on_pause=step.clear_cache,
+                verify_checksums=True,
+                barrier_timeout_s=60,
+                transfer_timeout_s=60,
+            )
+            cls = (
+                UpdateWeightFromDistributed
+                if step.mode == "distributed"
+                else UpdateWeightFromTensor
+            )
+            updater = cls(
+                config=config,
+                engines=engines,
+                model=model,
+                converter=converter,
+                topology=topology,
+                gather_groups=groups,
+                sync_group=sync_group,
+            )
+            if step.expect_error:
+                started = time.monotonic()
+                try:
+                    updater.connect()
+                except ValueError as exc:
+                    record["error"] = str(exc)
+                record["error_s"] = time.monotonic() - started
+                _record_engines(rank, record, engines, out_dir, index)
+                dist.barrier()
+                continue
+            updater.connect()
+            updaters[key] = updater
+        updater = updaters[key]
+        updater.weight_version = step.version - 1
+        if step.fail_in_send and updater.is_sender and topology.pp_rank == topology.pp_size - 1:
+            _break_after_first_bucket(updater)
+        inflight = None
+        if rank == 0 and step.inflight:
+            inflight = InflightRequest(step.engine_urls[0])
+            inflight.wait_started()
+        try:
+            record["report"] = updater.update_weights()
+        except Exception as exc:
+            if not step.fail_in_send:
+                raise
+            record["error"] = f"{type(exc).__name__}: {exc}"
+            record["error_phase"] = getattr(exc, "phase", None)
+        if inflight is not None:
+            result = inflight.join()
+            record["inflight"] = {
+                "token_ids": result.token_ids,
+                "weight_versions": result.weight_versions,
+                "finish_reason": result.finish_reason,
+            }
+        # The weights just synced, exported by a separate gather (not through the updater).
+        exported = {
+            name: tensor.clone()
+            for name, tensor in gather_hf_weights(
+                model,
+                converter=converter,
+                topology=topology,
+                groups=groups,
+                timeout=COLLECTIVE_TIMEOUT,
+            )
+        }
+        if topology.is_pp_sender:
+            torch.save(exported, out_dir / f"step{index}-stage{topology.pp_rank}.pt")
+        _record_engines(rank, record, updater.engines, out_dir, index)
+        dist.barrier()
+    for updater in updaters.values():
+        updater.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _break_after_first_bucket(updater) -> None:
+    transport = updater.transport
+    original = transport.send_buckets
+
+    def send_buckets(buckets, fill, update_calls):
+        def failing_fill(bucket, buffer):
+            if bucket.index >= 1:
+                raise RuntimeError("injected failure while packing bucket 1")
+            fill(bucket, buffer)
+
+        try:
+            return original(buckets, failing_fill, update_calls)
+        finally:
+            transport.send_buckets = original
+
+    transport.send_buckets = send_buckets
+
+
+def _record_engines(rank: int, record: dict, engines, out_dir: Path, index: int) -> None:
+    if rank != 0:
+        return
+    record["engines"] = [
+        {
+            "url": engine.url,
+            "checksums": engine.collective_rpc("vime_weight_checksums")[0],
+            "served_dtypes": {
+                m["name"]: m["dtype"] for m in engine.collective_rpc("vime_weight_metadata")[0]
+            },
+            "greedy": completions_greedy(engine.url, PROMPT_IDS),
+            "weight_version": engine.get_weight_version(),
+            "is_paused": engine.is_paused(),
+        }
+        for engine in engines
+    ]
+    torch.save(record, out_dir / f"step{index}-record.pt")
+
+
+def run_sync_job(job: SyncJob, world_size: int, out_dir: Path, *, timeout_s: float = 240.0):
+    """Run the job; return (records per step, exported HF weights per step)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        spawn_ranks(_worker, world_size, (job, str(out_dir)), timeout_s=timeout_s, what=str(job))
+    except BaseException:
+        errors = "\n".join(p.read_text() for p in sorted(out_dir.glob("rank*-error.txt")))
+        raise RuntimeError(f"sync job failed:\n{errors}") from None
+    records, exported = [], []
+    for index in range(len(job.steps)):
+        records.append(torch.load(out_dir / f"step{index}-record.pt", weights_only=False))
+        weights: dict = {}
+        for part in sorted(out_dir.glob(f"step{index}-stage*.pt")):
+            weights.update(torch.load(part, weights_only=False))
+        exported.append(weights)
+    return records, exported

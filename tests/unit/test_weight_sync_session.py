@@ -1,0 +1,143 @@
+"""The sync session's order and failure handling with fake engines, and WeightSyncConfig checks.
+
+One process: a gloo group of size 1 stands in for the trainer ranks (the real multi-rank runs
+against vLLM servers are in tests/distributed/test_weight_sync.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from vime.config import WeightSyncConfig
+from vime.rollout.vllm_engine import FlushCacheError
+from vime.weight_sync.session import WeightSyncError, call_engines, run_sync_session
+
+pytestmark = pytest.mark.unit
+
+
+class FakeEngine:
+    """Records control calls; `fail` maps a method name to the exception it raises."""
+
+    def __init__(self, log: list, name: str, fail: dict | None = None, hold_blocks=False):
+        self.log, self.name, self.fail, self.hold_blocks = log, name, fail or {}, hold_blocks
+
+    def _call(self, method: str, *args) -> None:
+        self.log.append((self.name, method, *args))
+        if method in self.fail:
+            raise self.fail[method]
+
+    def pause_generation(self, mode=None, clear_cache=None):
+        self._call("pause", mode, clear_cache)
+
+    def flush_cache(self, timeout_s=None):
+        self._call("flush")
+        if self.hold_blocks:
+            raise FlushCacheError(f"{self.name}: requests still hold KV blocks")
+
+    def start_weight_update(self):
+        self._call("start")
+
+    def finish_weight_update(self, weight_version):
+        self._call("finish", weight_version)
+
+    def continue_generation(self):
+        self._call("resume")
+
+
+@pytest.fixture(scope="module")
+def group():
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30)
+    )
+    try:
+        yield dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_session_runs_phases_in_order(group):
+    log: list = []
+    engines = [FakeEngine(log, "e0"), FakeEngine(log, "e1")]
+    report = run_sync_session(
+        engines=engines,
+        group=group,
+        weight_version=7,
+        send_weights=lambda: log.append(("trainer", "send")),
+    )
+    phases = [entry[1] for entry in log]
+    assert (
+        phases
+        == ["pause"] * 2
+        + ["flush"] * 2
+        + ["start"] * 2
+        + ["send"]
+        + ["finish"] * 2
+        + ["resume"] * 2
+    )
+    assert ("e0", "pause", "keep", False) in log and ("e1", "finish", "7") in log
+    assert report.prefix_cache_flushed is True
+    assert set(report.seconds) == {"pause", "flush", "start", "send", "finish", "resume"}
+
+
+def test_unflushable_prefix_cache_is_reported_not_fatal(group):
+    log: list = []
+    engines = [FakeEngine(log, "e0", hold_blocks=True), FakeEngine(log, "e1")]
+    report = run_sync_session(
+        engines=engines, group=group, weight_version=1, send_weights=lambda: None
+    )
+    assert report.prefix_cache_flushed is False
+    assert log[-1][1] == "resume"
+
+
+@pytest.mark.parametrize("phase", ["start", "send", "finish"])
+def test_failure_names_phase_and_engine_and_resumes(group, phase):
+    log: list = []
+    fail = {phase: RuntimeError("boom")} if phase != "send" else {}
+    engines = [FakeEngine(log, "e0"), FakeEngine(log, "e1", fail=fail)]
+
+    def send() -> None:
+        if phase == "send":
+            raise RuntimeError("transport broke")
+
+    with pytest.raises(WeightSyncError) as info:
+        run_sync_session(engines=engines, group=group, weight_version=3, send_weights=send)
+    assert info.value.phase == phase
+    if phase != "send":
+        assert "engine 1" in str(info.value) and "boom" in str(info.value)
+    # Nothing stays paused or mid-update: the open update is closed, every engine resumed.
+    for name in ("e0", "e1"):
+        calls = [entry[1:] for entry in log if entry[0] == name]
+        assert calls[-1] == ("resume",)
+        assert ("finish", "3-failed") in calls or ("finish", "3") in calls
+
+
+def test_hanging_engine_call_times_out():
+    release = threading.Event()
+    started = time.monotonic()
+    with pytest.raises(WeightSyncError, match="engine 1.*no answer"):
+        call_engines(
+            ["fast", "slow"],
+            "pause",
+            lambda e: release.wait(5) if e == "slow" else None,
+            timeout_s=0.3,
+        )
+    release.set()
+    assert time.monotonic() - started < 2
+
+
+@pytest.mark.parametrize(
+    ("mode", "transport"), [("tensor", "gloo"), ("tensor", "nccl"), ("distributed", "shm")]
+)
+def test_config_rejects_transport_of_the_other_mode(mode, transport):
+    with pytest.raises(ValueError, match=f"transport '{transport}' does not serve mode"):
+        WeightSyncConfig(mode=mode, transport=transport)
+
+
+def test_config_accepts_matching_transports():
+    for mode, transport in [("distributed", "gloo"), ("distributed", "nccl"), ("tensor", "shm")]:
+        assert WeightSyncConfig(mode=mode, transport=transport).transport == transport

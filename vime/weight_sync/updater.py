@@ -1,0 +1,297 @@
+"""What both weight updaters share: checking, planning, sending stage by stage, verifying.
+
+Every trainer rank builds the same updater and calls `connect()` once, then `update_weights()`
+after each optimizer step. Each pipeline stage's *pp sender* (its tp=cp=dp rank 0, see
+`Topology.is_pp_sender`) gathers the stage's full HF tensors and moves them with a transport of
+its own; stages take turns (stage 0 sends, barrier, stage 1 sends, ...): several stages writing
+into the same engines at once would interleave their updates (and, with broadcast groups, can
+deadlock the engine, which receives one group at a time).
+
+    updater = UpdateWeightFromDistributed(config=sync_config, engines=engines, model=model,
+                                          converter=converter, topology=topology,
+                                          gather_groups=GatherGroups.from_parallel_state(),
+                                          sync_group=gloo_group)
+    updater.connect()                 # checks names/dtypes/shapes, then joins the engines
+    report = updater.update_weights() # after each optimizer step, on every rank
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from vime.config import WeightSyncConfig
+from vime.megatron.converters import DecoderConverter
+from vime.megatron.gather import GatherGroups, HFWeightMeta, gather_hf_weights, hf_weight_metadata
+from vime.megatron.model import unwrap
+from vime.megatron.topology import Topology
+from vime.weight_sync.buckets import (
+    Bucket,
+    check_against_engine,
+    dtype_from_name,
+    pack,
+    plan_buckets,
+    tensor_digest,
+)
+from vime.weight_sync.session import (
+    SyncReport,
+    WeightSyncError,
+    call_engines,
+    checked_barrier,
+    run_sync_session,
+)
+from vime.weight_sync.transports import Transport
+
+logger = logging.getLogger(__name__)
+
+
+class WeightUpdater(ABC):
+    """Pushes a Megatron model's weights into vLLM engines; subclasses pick the transport."""
+
+    mode: ClassVar[str]
+
+    def __init__(
+        self,
+        *,
+        config: WeightSyncConfig,
+        engines: Sequence[Any],
+        model: torch.nn.Module,
+        converter: DecoderConverter,
+        topology: Topology,
+        gather_groups: GatherGroups,
+        sync_group: Any,
+        weight_version: int = 0,
+    ):
+        """`engines`: objects with VLLMEngine's control methods, the same engines on every rank.
+
+        `sync_group`: a gloo process group over all trainer ranks (its rank 0 drives the engines).
+        `weight_version`: the version the engines serve now; each sync adds one.
+        """
+        if config.mode != self.mode:
+            raise ValueError(
+                f"{type(self).__name__} runs weight_sync.mode={self.mode!r}, config has "
+                f"{config.mode!r}"
+            )
+        if not engines:
+            raise ValueError("no engines to update")
+        self.config = config
+        self.engines = list(engines)
+        self.model = model
+        self.converter = converter
+        self.topology = topology
+        self.gather_groups = gather_groups
+        self.sync_group = sync_group
+        self.weight_version = weight_version
+        self.metadata: list[HFWeightMeta] = hf_weight_metadata(converter, unwrap(model).config)
+        self.transport: Transport | None = None
+        # Per engine: HF name -> the dtype it serves (from check_engines; may be wider than sent).
+        self.served_dtypes: list[dict[str, str]] = []
+        self.buckets: list[Bucket] = []
+        self._timeout = timedelta(seconds=config.transfer_timeout_s)
+
+    @property
+    def is_sender(self) -> bool:
+        return self.topology.is_pp_sender
+
+    @property
+    def stage_metadata(self) -> list[HFWeightMeta]:
+        """The HF tensors this rank's pipeline stage sends, in sending order."""
+        return [m for m in self.metadata if m.pp_stage == self.topology.pp_rank]
+
+    @abstractmethod
+    def make_transport(self) -> Transport:
+        """This sender's transport for `config.transport` (not yet connected)."""
+
+    # ---- setup ------------------------------------------------------------------------------
+
+    def check_engines(self) -> None:
+        """Compare the trainer's HF names, dtypes and shapes with every engine's; no bytes move.
+
+        Rank 0 asks the engines (vime_weight_metadata over collective_rpc) and tells every rank
+        the verdict, so all ranks raise the same ValueError naming the mismatched tensors. A
+        tensor may be sent narrower than the engine serves it when the cast is exact (vLLM's CPU
+        build keeps some tensors of bfloat16 models in float32); each engine's served dtypes are
+        kept for `verify_checksums`.
+        """
+        problem: str | None = None
+        served: list[dict[str, str]] = []
+        if dist.get_rank(self.sync_group) == 0:
+            specs = [(m.name, m.dtype, m.shape) for m in self.metadata]
+
+            def check(engine: Any) -> dict[str, str]:
+                workers = engine.collective_rpc("vime_weight_metadata")
+                for worker, expected in enumerate(workers):
+                    try:
+                        check_against_engine(specs, expected, allow_lossless_casts=True)
+                    except ValueError as exc:
+                        raise ValueError(f"worker {worker}: {exc}") from None
+                return {m["name"]: m["dtype"] for m in workers[0]}
+
+            try:
+                served = call_engines(
+                    self.engines, "check", check, timeout_s=self.config.transfer_timeout_s
+                )
+            except WeightSyncError as exc:
+                problem = str(exc)
+        verdict = [problem, served]
+        dist.broadcast_object_list(verdict, group=self.sync_group, group_src=0)
+        if verdict[0] is not None:
+            raise ValueError(
+                f"trainer weights do not fit the engines, nothing was sent: {verdict[0]}"
+            )
+        self.served_dtypes = verdict[1]
+
+    def connect(self) -> None:
+        """Check the engines, plan this stage's buckets and join the engines, stage by stage."""
+        self.check_engines()
+        for stage in range(self.topology.pp_size):
+            error: Exception | None = None
+            if self.is_sender and self.topology.pp_rank == stage:
+                try:
+                    self.transport = self.make_transport()
+                    self.buckets = plan_buckets(
+                        [(m.name, m.dtype, m.shape) for m in self.stage_metadata],
+                        self.config.update_weight_buffer_size,
+                        alignment=self.transport.alignment,
+                    )
+                    self.transport.connect([e.init_weight_transfer_engine for e in self.engines])
+                except Exception as exc:
+                    error = exc
+            checked_barrier(
+                self.sync_group,
+                f"connect (pp stage {stage})",
+                error is not None,
+                self.config.barrier_timeout_s,
+            )
+            if error is not None:
+                raise error
+        logger.info(
+            "weight sync (%s, %s) connected to %d engines%s",
+            self.mode,
+            self.config.transport,
+            len(self.engines),
+            f"; pp stage {self.topology.pp_rank} sends {len(self.buckets)} buckets"
+            if self.is_sender
+            else "",
+        )
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+    # ---- one sync ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update_weights(self) -> SyncReport:
+        """Sync the model's current weights into every engine; call on every trainer rank."""
+        if self.is_sender and self.transport is None:
+            raise RuntimeError("call connect() before update_weights()")
+        self.weight_version += 1
+        sent: dict[str, dict[str, str]] = {}  # name -> {served dtype: digest}
+        counts = {"buckets": 0, "bytes": 0}
+        verify = None
+        if self.config.verify_checksums:
+            verify = (lambda: self._verify(sent)) if self.is_sender else (lambda: None)
+        report = run_sync_session(
+            engines=self.engines,
+            group=self.sync_group,
+            weight_version=self.weight_version,
+            send_weights=lambda: self._send_stages(sent, counts),
+            verify=verify,
+            clear_cache=self.config.clear_cache_on_pause,
+            flush_timeout_s=self.config.flush_cache_timeout_s,
+            call_timeout_s=self.config.transfer_timeout_s,
+            barrier_timeout_s=self.config.barrier_timeout_s,
+        )
+        report.num_buckets, report.num_bytes = counts["buckets"], counts["bytes"]
+        report.verified = verify is not None
+        return report
+
+    def _send_stages(self, sent: dict[str, dict[str, str]], counts: dict[str, int]) -> None:
+        """Stages take turns; within a stage's turn all its ranks gather, its sender sends."""
+        for stage in range(self.topology.pp_size):
+            error: Exception | None = None
+            if self.topology.pp_rank == stage:
+                try:
+                    self._send_stage(sent, counts)
+                except Exception as exc:
+                    error = exc
+            checked_barrier(
+                self.sync_group,
+                f"send (pp stage {stage})",
+                error is not None,
+                self.config.barrier_timeout_s,
+            )
+            if error is not None:
+                raise error
+
+    def _send_stage(self, sent: dict[str, dict[str, str]], counts: dict[str, int]) -> None:
+        gathered = gather_hf_weights(
+            self.model,
+            converter=self.converter,
+            topology=self.topology,
+            groups=self.gather_groups,
+            timeout=self._timeout,
+        )
+        if not self.is_sender:
+            for _ in gathered:  # takes part in the stage's gathers; yields nothing here
+                pass
+            return
+        assert self.transport is not None
+        record = self.config.verify_checksums
+
+        def fill(bucket: Bucket, buffer: torch.Tensor) -> None:
+            tensors = dict(_take(gathered, bucket))
+            if record:
+                for name, tensor in tensors.items():
+                    targets = {served[name] for served in self.served_dtypes}
+                    sent[name] = {
+                        target: tensor_digest(tensor.to(dtype_from_name(target)))
+                        for target in targets
+                    }
+            pack(tensors, bucket, buffer)
+            counts["buckets"] += 1
+            counts["bytes"] += bucket.nbytes
+
+        self.transport.send_buckets(self.buckets, fill, [e.update_weights for e in self.engines])
+        leftover = [name for name, _ in gathered]
+        assert not leftover, f"gathered tensors missing from the bucket plan: {leftover}"
+
+    def _verify(self, sent: dict[str, dict[str, str]]) -> None:
+        """The engines' sha256 of every tensor this sender sent must equal the trainer's."""
+
+        def compare(engine: Any) -> None:
+            dtypes = self.served_dtypes[self.engines.index(engine)]
+            for worker, served in enumerate(engine.collective_rpc("vime_weight_checksums")):
+                differ = sorted(
+                    name
+                    for name, digests in sent.items()
+                    if served.get(name) != digests[dtypes[name]]
+                )
+                if differ:
+                    raise ValueError(
+                        f"worker {worker} serves {len(differ)} tensors that differ from the "
+                        f"trainer's after weight version {self.weight_version}: {differ[:10]}"
+                    )
+
+        call_engines(self.engines, "verify", compare, timeout_s=self.config.transfer_timeout_s)
+        logger.info("verified %d tensors on %d engines", len(sent), len(self.engines))
+
+
+def _take(gathered: Iterator[tuple[str, torch.Tensor]], bucket: Bucket):
+    """The bucket's tensors, pulled from the gather in plan order."""
+    for meta in bucket.tensors:
+        name, tensor = next(gathered)
+        if name != meta.name:
+            raise ValueError(
+                f"gather yielded {name!r} where bucket {bucket.index} planned {meta.name!r}: "
+                "the gather order and hf_weight_metadata disagree"
+            )
+        yield name, tensor
