@@ -136,9 +136,12 @@ class WeightSyncConfig(StrictModel):
         ),
     )
     flush_cache_timeout_s: float = Field(
-        1.0,
+        0.2,
         gt=0,
-        description="Bound on the prefix-cache flush after the pause; failing it only warns.",
+        description=(
+            "Bound on the prefix-cache flush after the pause; failing it only warns. With "
+            "clear_cache_on_pause=False and requests in flight it cannot succeed, so keep it short."
+        ),
     )
     barrier_timeout_s: float = Field(
         600.0, gt=0, description="Timeout of every barrier between trainer ranks in a sync."

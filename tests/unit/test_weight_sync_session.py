@@ -34,10 +34,13 @@ class FakeEngine:
     def pause_generation(self, mode=None, clear_cache=None):
         self._call("pause", mode, clear_cache)
 
-    def flush_cache(self, timeout_s=None):
+    def flush_cache(self, timeout_s=None, raise_on_timeout=True):
         self._call("flush")
         if self.hold_blocks:
+            if not raise_on_timeout:
+                return False
             raise FlushCacheError(f"{self.name}: requests still hold KV blocks")
+        return True
 
     def start_weight_update(self):
         self._call("start")

@@ -153,11 +153,14 @@ class VLLMEngine:
         body = self._call("GET", "/is_paused")
         return None if body is None else bool(body["is_paused"])
 
-    def flush_cache(self, timeout_s: float | None = None, poll_s: float = 0.05) -> bool | None:
+    def flush_cache(
+        self, timeout_s: float | None = None, poll_s: float = 0.05, raise_on_timeout: bool = True
+    ) -> bool | None:
         """POST /reset_prefix_cache until it succeeds; FlushCacheError after `timeout_s`.
 
         vLLM answers success=false while requests hold KV blocks (e.g. after a keep pause with
         clear_cache=false, the frozen requests keep theirs); the reset then cannot happen.
+        With raise_on_timeout=False, False is returned instead of raising.
         """
         if self.node_rank != 0:
             return None
@@ -172,6 +175,8 @@ class VLLMEngine:
             if body.get("success"):
                 return True
             if time.monotonic() >= deadline:
+                if not raise_on_timeout:
+                    return False
                 raise FlushCacheError(
                     f"engine {self.rank} at {self.url}: prefix cache not reset after {attempts} "
                     f"attempts in {timeout_s:g} s: requests still hold KV blocks. Pause with "

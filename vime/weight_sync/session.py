@@ -176,12 +176,8 @@ def run_sync_session(
         began = time.monotonic()
 
         def flush_one(engine: Any) -> bool:
-            try:
-                engine.flush_cache(timeout_s=flush_timeout_s)
-            except RuntimeError as exc:  # FlushCacheError: requests still hold KV blocks
-                logger.warning("prefix cache not flushed: %s", exc)
-                return False
-            return True
+            # False while frozen requests hold KV blocks (keep pause with clear_cache=False).
+            return bool(engine.flush_cache(timeout_s=flush_timeout_s, raise_on_timeout=False))
 
         flushed = call_engines(
             engines, "flush", flush_one, timeout_s=flush_timeout_s + call_timeout_s
