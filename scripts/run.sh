@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Set up .venv if needed, then run the main job. Extra arguments go to the job.
+# Set up .venv if needed, then run the main job: the tiny CPU async-RL run, end to end (builds the
+# tiny model if absent, launches a vLLM CPU engine, trains with megatron-core, syncs every step).
+# Extra arguments are dotted config overrides, e.g. `bash scripts/run.sh num_steps=10`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m vime.demo "$@"
+exec .venv/bin/torchrun --nproc-per-node "${NPROC:-1}" --master-addr 127.0.0.1 \
+  --master-port "${MASTER_PORT:-29511}" \
+  -m vime.train --config "${CONFIG:-configs/tiny_cpu_async.yaml}" "$@"

@@ -1,0 +1,169 @@
+"""GRPO advantages and the clipped policy loss: hand-computed values, clipping, masks, gradients."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vime.rl.loss import GRPOConfig, group_advantages, grpo_loss
+
+pytestmark = pytest.mark.unit
+
+
+def test_group_advantages_hand_computed():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5])
+    advantages = group_advantages(rewards, group_size=4, eps=0.0 + 1e-12)
+    # Group 1: mean 0.25, population std sqrt(3)/4.
+    std = math.sqrt(3) / 4
+    expected = [0.75 / std, -0.25 / std, -0.25 / std, -0.25 / std, 0, 0, 0, 0]
+    assert advantages.tolist() == pytest.approx(expected, rel=1e-5)
+
+
+def test_group_advantages_without_std_and_bad_groups():
+    rewards = torch.tensor([1.0, 0.0, 0.2, 0.4])
+    assert group_advantages(rewards, 2, normalize_std=False).tolist() == pytest.approx(
+        [0.5, -0.5, -0.1, 0.1]
+    )
+    with pytest.raises(ValueError, match="do not split into groups of 3"):
+        group_advantages(rewards, 3)
+    with pytest.raises(ValueError, match="1-D"):
+        group_advantages(rewards.view(2, 2), 2)
+
+
+def test_on_policy_loss_value_and_metrics():
+    # ratio = 1 everywhere: loss = -(token-weighted mean advantage), nothing clipped.
+    logprobs = torch.log(torch.tensor([[0.5, 0.25, 0.1], [0.2, 0.2, 0.2]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    advantages = torch.tensor([1.0, -2.0])
+    loss, metrics = grpo_loss(logprobs.clone(), logprobs, advantages, mask)
+    assert loss.item() == pytest.approx(-(1 + 1 - 2) / 3)
+    assert metrics["clip_fraction"] == 0.0
+    assert metrics["logprob_diff"] == pytest.approx(0.0)
+    assert metrics["num_tokens"] == 3
+
+
+def test_sequence_level_mean():
+    logprobs = torch.zeros(2, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    config = GRPOConfig(token_level_mean=False)
+    loss, _ = grpo_loss(logprobs, logprobs, torch.tensor([1.0, -2.0]), mask, config=config)
+    assert loss.item() == pytest.approx(-(1 - 2) / 2)
+
+
+def test_clipping_hand_computed():
+    rollout = torch.zeros(1, 4)
+    # ratios 1.5, 0.5, 1.1, 0.7 with advantage +1: min(r, clip(r)) = 1.2, 0.5, 1.1, 0.7
+    train = torch.log(torch.tensor([[1.5, 0.5, 1.1, 0.7]])).requires_grad_()
+    mask = torch.ones(1, 4)
+    loss, metrics = grpo_loss(train, rollout, torch.tensor([1.0]), mask)
+    assert loss.item() == pytest.approx(-(1.2 + 0.5 + 1.1 + 0.7) / 4)
+    assert metrics["clip_fraction"] == pytest.approx(0.25)  # only the 1.5 token is clipped
+    loss.backward()
+    # The clipped token gets no gradient; the others get -ratio / 4 (d ratio / d logprob = ratio).
+    assert train.grad.tolist()[0] == pytest.approx([0.0, -0.5 / 4, -1.1 / 4, -0.7 / 4])
+
+    # Negative advantage: clipping bites below 1 - 0.2.
+    train.grad = None
+    loss, metrics = grpo_loss(train, rollout, torch.tensor([-1.0]), mask)
+    assert loss.item() == pytest.approx((1.5 + 0.8 + 1.1 + 0.8) / 4)
+    assert metrics["clip_fraction"] == pytest.approx(0.5)
+    assert metrics["logprob_diff"] == pytest.approx(
+        sum(abs(math.log(r)) for r in (1.5, 0.5, 1.1, 0.7)) / 4, rel=1e-5
+    )
+
+
+def test_gradient_sign_follows_advantage_and_mask():
+    train = torch.zeros(2, 3, requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    loss, _ = grpo_loss(train, torch.zeros(2, 3), torch.tensor([2.0, -1.0]), mask)
+    loss.backward()
+    grad = train.grad
+    # Gradient descent raises log-probs of positive-advantage tokens (negative grad), lowers others.
+    assert (grad[0, :2] < 0).all()
+    assert (grad[1] > 0).all()
+    assert grad[0, 2] == 0  # masked token
+
+
+def test_truncated_importance_sampling_weights():
+    rollout = torch.zeros(1, 2)
+    old = torch.log(torch.tensor([[3.0, 0.5]]))
+    train = old.clone().requires_grad_()
+    mask = torch.ones(1, 2)
+    config = GRPOConfig(tis_cap=2.0)
+    loss, metrics = grpo_loss(
+        train, rollout, torch.tensor([1.0]), mask, config=config, old_logprobs=train.detach()
+    )
+    # ratio train/old = 1; weights min(old/rollout, 2) = 2 and 0.5.
+    assert loss.item() == pytest.approx(-(2.0 + 0.5) / 2)
+    assert metrics["tis_capped_fraction"] == pytest.approx(0.5)
+    assert metrics["tis_weight_mean"] == pytest.approx((3.0 + 0.5) / 2)
+    assert metrics["logprob_diff"] == pytest.approx((math.log(3) + math.log(2)) / 2, rel=1e-5)
+    loss.backward()
+    assert train.grad.tolist()[0] == pytest.approx([-1.0, -0.25])
+    with pytest.raises(ValueError, match="tis_cap needs old_logprobs"):
+        grpo_loss(train, rollout, torch.tensor([1.0]), mask, config=config)
+
+
+def test_old_logprobs_set_the_clip_reference():
+    rollout = torch.full((1, 2), -5.0)  # far from the trainer: would clip everything
+    train = torch.zeros(1, 2, requires_grad=True)
+    loss, metrics = grpo_loss(
+        train, rollout, torch.tensor([1.0]), torch.ones(1, 2), old_logprobs=train.detach()
+    )
+    assert loss.item() == pytest.approx(-1.0)
+    assert metrics["clip_fraction"] == 0.0
+    assert metrics["logprob_diff"] == pytest.approx(5.0)
+
+
+def test_kl_to_reference_k3():
+    train = torch.zeros(1, 2, requires_grad=True)
+    ref = torch.tensor([[math.log(0.5), 0.0]])
+    config = GRPOConfig(kl_coef=0.1)
+    loss, metrics = grpo_loss(
+        train,
+        torch.zeros(1, 2),
+        torch.tensor([0.0]),
+        torch.ones(1, 2),
+        config=config,
+        ref_logprobs=ref,
+    )
+    k3 = (0.5 - math.log(0.5) - 1) / 2  # mean over the two tokens; the second has kl 0
+    assert metrics["kl_ref"] == pytest.approx(k3, rel=1e-5)
+    assert loss.item() == pytest.approx(0.1 * k3, rel=1e-5)
+    loss.backward()
+    assert train.grad[0, 0] > 0  # kl pulls train log-prob down towards the reference's
+
+
+def test_shape_and_config_errors():
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="shapes differ"):
+        grpo_loss(x, torch.zeros(2, 4), torch.zeros(2), x)
+    with pytest.raises(ValueError, match="'old': \\(2, 2\\)"):
+        grpo_loss(x, x, torch.zeros(2), x, old_logprobs=torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="advantages must be"):
+        grpo_loss(x, x, torch.zeros(3), x)
+    with pytest.raises(ValueError, match="needs ref_logprobs"):
+        grpo_loss(x, x, torch.zeros(2), x, config=GRPOConfig(kl_coef=0.1))
+
+
+def test_micro_batches_sum_to_the_batch_loss():
+    torch.manual_seed(0)
+    train = torch.randn(4, 5) * 0.1
+    rollout = torch.randn(4, 5) * 0.1
+    mask = (torch.rand(4, 5) > 0.3).float()
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    whole, _ = grpo_loss(train, rollout, advantages, mask)
+    total = mask.sum().item()
+    parts = [
+        grpo_loss(
+            train[i : i + 2],
+            rollout[i : i + 2],
+            advantages[i : i + 2],
+            mask[i : i + 2],
+            num_batch_tokens=total,
+        )[0]
+        for i in (0, 2)
+    ]
+    assert (parts[0] + parts[1]).item() == pytest.approx(whole.item(), rel=1e-5)

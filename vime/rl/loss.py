@@ -1,0 +1,173 @@
+"""GRPO: group-normalised advantages and the PPO-clipped policy loss, in plain torch.
+
+Old log-probs are the rollout engine's (the policy that sampled the tokens), so one loss covers both
+on-policy steps and stale, asynchronously generated samples. Shapes: `[batch, seq]` over response
+tokens, with `mask` 1 on real response tokens and 0 on padding.
+
+    advantages = group_advantages(rewards, group_size=8)
+    loss, metrics = grpo_loss(train_logprobs, rollout_logprobs, advantages, mask, config=config)
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from vime.config import StrictModel
+
+
+class GRPOConfig(StrictModel):
+    """Policy-loss settings."""
+
+    clip_low: float = Field(0.2, ge=0, description="PPO clip: ratio is kept >= 1 - clip_low.")
+    clip_high: float = Field(0.2, ge=0, description="PPO clip: ratio is kept <= 1 + clip_high.")
+    kl_coef: float = Field(
+        0.0, ge=0, description="Weight of the k3 KL estimate to the reference policy; 0 disables."
+    )
+    tis_cap: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Truncated importance sampling: weight each token by min(exp(old - rollout logprob), "
+            "tis_cap), old being the trainer's pre-update log-probs; corrects for staleness and "
+            "trainer/engine mismatch. None disables."
+        ),
+    )
+    advantage_eps: float = Field(1e-6, gt=0, description="eps in (r - mean) / (std + eps).")
+    normalize_std: bool = Field(
+        True, description="Divide group-centred rewards by the group std (False: Dr. GRPO style)."
+    )
+    token_level_mean: bool = Field(
+        True,
+        description=(
+            "Average the loss over all response tokens of the batch (True) or per sequence first, "
+            "then over sequences (False)."
+        ),
+    )
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6, normalize_std: bool = True
+) -> torch.Tensor:
+    """(r - group mean) / (group std + eps) for consecutive groups of `group_size` samples.
+
+    A group whose samples all scored the same gets advantage 0 (no signal), not a division by 0.
+    The std is the population std (unbiased=False), as in the GRPO paper's implementations.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(
+            f"{rewards.numel()} rewards do not split into groups of {group_size}: "
+            "samples of one prompt must be consecutive and every group complete"
+        )
+    grouped = rewards.float().view(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_std:
+        centred = centred / (grouped.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return centred.view(-1)
+
+
+def _masked_mean(
+    values: torch.Tensor, mask: torch.Tensor, token_level: bool, num_tokens: float | None = None
+) -> torch.Tensor:
+    if token_level:
+        return (values * mask).sum() / (num_tokens or mask.sum().clamp(min=1))
+    per_sequence = (values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+    return per_sequence.mean()
+
+
+def grpo_loss(
+    train_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    config: GRPOConfig | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    num_batch_tokens: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clipped GRPO loss to minimise, and its metrics.
+
+    train_logprobs: [batch, seq] log-probs of the response tokens under the model being trained
+        (differentiable); rollout_logprobs: the engine's log-probs of the same tokens;
+    advantages: [batch] one per sample; mask: [batch, seq] 1 on response tokens;
+    old_logprobs: the trainer's log-probs of the tokens before this step's update (detached). None:
+        the rollout log-probs are the old policy, and the clip bounds staleness and engine mismatch;
+    ref_logprobs: [batch, seq] under the reference policy, needed when config.kl_coef > 0;
+    num_batch_tokens: with token_level_mean, divide by this instead of this call's token count, so
+        micro-batches of one step sum to the whole batch's token mean (gradient accumulation).
+
+    Per token: ratio = exp(train - old); objective = min(ratio * A, clip(ratio) * A);
+    with tis_cap (needs old_logprobs) the objective is weighted by min(exp(old - rollout), tis_cap),
+    the truncated importance weight of the trainer's old policy over the engine's sampling policy;
+    with kl_coef the k3 estimate exp(ref - train) - (ref - train) - 1 is added (times kl_coef).
+    For one update per batch pass old_logprobs=train_logprobs.detach(): the ratio is then 1 and
+    staleness is corrected by the TIS weight alone.
+    """
+    config = config or GRPOConfig()
+    shapes = {"train": train_logprobs.shape, "rollout": rollout_logprobs.shape, "mask": mask.shape}
+    for name, other in (("old", old_logprobs), ("ref", ref_logprobs)):
+        if other is not None:
+            shapes[name] = other.shape
+    if len(set(shapes.values())) != 1:
+        raise ValueError(f"shapes differ: { ({k: tuple(v) for k, v in shapes.items()}) }")
+    if advantages.shape != train_logprobs.shape[:1]:
+        raise ValueError(
+            f"advantages must be [batch] = [{train_logprobs.shape[0]}], "
+            f"got {tuple(advantages.shape)}"
+        )
+    if config.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs (log-probs under the reference policy)")
+    if config.tis_cap is not None and old_logprobs is None:
+        raise ValueError(
+            "tis_cap needs old_logprobs (the trainer's log-probs before the update, e.g. "
+            "train_logprobs.detach()); with the rollout log-probs as old policy the weight is 1"
+        )
+    dtype = train_logprobs.dtype
+    mask = mask.to(dtype)
+    rollout_logprobs = rollout_logprobs.to(dtype)
+    old = rollout_logprobs if old_logprobs is None else old_logprobs.detach().to(dtype)
+    token_level = config.token_level_mean
+
+    ratio = torch.exp(train_logprobs - old)
+    advantage = advantages.to(dtype).unsqueeze(1)
+    unclipped = ratio * advantage
+    clipped = torch.clamp(ratio, 1 - config.clip_low, 1 + config.clip_high) * advantage
+    objective = torch.minimum(unclipped, clipped)
+    metrics: dict[str, float] = {}
+    if config.tis_cap is not None:
+        raw_weight = torch.exp(old - rollout_logprobs)
+        objective = objective * torch.clamp(raw_weight, max=config.tis_cap)
+        with torch.no_grad():
+            metrics["tis_weight_mean"] = _masked_mean(raw_weight, mask, True).item()
+            metrics["tis_capped_fraction"] = _masked_mean(
+                (raw_weight > config.tis_cap).to(dtype), mask, True
+            ).item()
+    loss = -_masked_mean(objective, mask, token_level, num_batch_tokens)
+
+    if config.kl_coef > 0:
+        ref_diff = ref_logprobs.to(dtype) - train_logprobs
+        kl = torch.exp(ref_diff) - ref_diff - 1
+        kl_mean = _masked_mean(kl, mask, token_level, num_batch_tokens)
+        loss = loss + config.kl_coef * kl_mean
+        metrics["kl_ref"] = kl_mean.item()
+
+    with torch.no_grad():
+        log_diff = train_logprobs - rollout_logprobs
+        masked_ratio = ratio.masked_fill(mask == 0, float("-inf"))
+        metrics.update(
+            loss=loss.item(),
+            # The clipped branch is the one min() takes: those tokens pass no gradient.
+            clip_fraction=_masked_mean((clipped < unclipped).to(dtype), mask, True).item(),
+            # |train - rollout|: engine/trainer mismatch plus staleness, the async-RL health signal.
+            logprob_diff=_masked_mean(log_diff.abs(), mask, True).item(),
+            # k1 estimate of KL(rollout || train) on the sampled tokens.
+            kl_rollout=_masked_mean(-log_diff, mask, True).item(),
+            ratio_mean=_masked_mean(ratio, mask, True).item(),
+            ratio_max=masked_ratio.max().item() if mask.any() else 1.0,
+            advantage_mean=advantages.float().mean().item(),
+            num_tokens=mask.sum().item(),
+        )
+    return loss, metrics

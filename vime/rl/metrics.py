@@ -1,0 +1,143 @@
+"""Run metrics: one JSONL line per step, TensorBoard scalars, a PNG of the curves and a summary.
+
+    writer = MetricsWriter(run_dir)
+    writer.log(step, {**batch.metrics(trainer_version), **prefixed(loss_metrics, "train/"),
+                      "sync/time_s": report.total_s})
+    writer.close()   # writes metrics.png and summary.txt next to metrics.jsonl and the TB events
+
+Keys are "<section>/<name>". The plot shows reward, weight-sync time, staleness and the log-prob
+diff between trainer and engine: the four curves an async RL run is judged by.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+REWARD_KEY = "rollout/reward_mean"
+SYNC_TIME_KEY = "sync/time_s"
+LAG_KEY = "staleness/lag_mean"
+LOGPROB_DIFF_KEY = "train/logprob_diff"
+
+# (panel title, keys drawn in it)
+PLOT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("reward", (REWARD_KEY,)),
+    ("weight sync time (s)", (SYNC_TIME_KEY,)),
+    ("staleness (versions)", (LAG_KEY, "staleness/lag_max", "staleness/version_span_mean")),
+    ("log-prob diff |train - rollout|", (LOGPROB_DIFF_KEY,)),
+)
+
+
+def prefixed(metrics: Mapping[str, float], prefix: str) -> dict[str, float]:
+    """{"loss": 1} -> {"train/loss": 1}."""
+    return {f"{prefix}{key}": value for key, value in metrics.items()}
+
+
+class MetricsWriter:
+    """Writes metrics.jsonl, TensorBoard events (tb/), and on close metrics.png and summary.txt."""
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = self.run_dir / "metrics.jsonl"
+        self.plot_path = self.run_dir / "metrics.png"
+        self.summary_path = self.run_dir / "summary.txt"
+        self.history: list[dict[str, float]] = []
+        self._jsonl = self.jsonl_path.open("a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        bad = {k: v for k, v in metrics.items() if not isinstance(v, (int, float))}
+        if bad:
+            raise ValueError(f"step {step}: metrics must be numbers, got {bad}")
+        row = {"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}
+        self.history.append(row)
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                self._tb.add_scalar(key, value, step)
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of one key, skipping steps that did not log it or logged NaN."""
+        points = [
+            (int(row["step"]), row[key])
+            for row in self.history
+            if key in row and not math.isnan(row[key])
+        ]
+        return [s for s, _ in points], [v for _, v in points]
+
+    def plot(self, path: str | Path | None = None) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot
+
+        path = Path(path) if path is not None else self.plot_path
+        figure, axes = pyplot.subplots(2, 2, figsize=(11, 7), squeeze=False)
+        for axis, (title, keys) in zip(axes.flat, PLOT_PANELS, strict=True):
+            drawn = False
+            for key in keys:
+                steps, values = self.series(key)
+                if steps:
+                    axis.plot(steps, values, marker=".", label=key)
+                    drawn = True
+            if drawn:
+                axis.legend(fontsize=7)
+            else:
+                axis.text(
+                    0.5, 0.5, "not logged", ha="center", va="center", transform=axis.transAxes
+                )
+            axis.set_title(title)
+            axis.set_xlabel("step")
+            axis.grid(alpha=0.3)
+        figure.tight_layout()
+        figure.savefig(path, dpi=100)
+        pyplot.close(figure)
+        return path
+
+    def summary(self) -> str:
+        """A few lines: steps, reward first -> last, sync time, staleness, log-prob diff."""
+        lines = [f"steps logged: {len(self.history)}"]
+        _, rewards = self.series(REWARD_KEY)
+        if rewards:
+            window = max(1, min(5, len(rewards) // 4 or 1))
+            first = sum(rewards[:window]) / window
+            last = sum(rewards[-window:]) / window
+            lines.append(
+                f"reward: {first:.3f} -> {last:.3f} (mean of first/last {window} steps), "
+                f"best {max(rewards):.3f}"
+            )
+        for label, key in (
+            ("weight sync time (s)", SYNC_TIME_KEY),
+            ("staleness lag (versions)", LAG_KEY),
+            ("log-prob diff", LOGPROB_DIFF_KEY),
+        ):
+            _, values = self.series(key)
+            if values:
+                lines.append(
+                    f"{label}: mean {sum(values) / len(values):.4g}, max {max(values):.4g}"
+                )
+        return "\n".join(lines)
+
+    def close(self) -> None:
+        if self._jsonl.closed:
+            return
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        self.plot()
+        self.summary_path.write_text(self.summary() + "\n")
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,294 @@
+"""The async RL job: megatron trainer ranks, vLLM engines (Ray actors), weight sync every step.
+
+    torchrun --nproc-per-node 1 -m vime.train --config configs/tiny_cpu_async.yaml [a.b=value ...]
+
+Rank 0 starts (or joins) Ray, launches the engines as named Ray actors (or attaches to
+`engine.external_urls`), and runs the rollout thread; every rank trains and takes part in the sync.
+
+Loop (`loop: async`, one-off pipelining): generation of batch k+1 is submitted before training on
+batch k starts, so the engines generate while the trainer trains; the sync after step k pauses the
+engines with `keep`, and the in-flight requests of batch k+1 continue on the new weights.
+`loop: sync` generates, trains, syncs, one after the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import Field, model_validator
+
+from vime.config import EngineConfig, StrictModel, WeightSyncConfig, load_config
+from vime.rl.loss import GRPOConfig
+from vime.rl.metrics import MetricsWriter, prefixed
+from vime.rl.rollout import RolloutConfig
+from vime.trainer import TrainerConfig
+
+logger = logging.getLogger("vime.train")
+
+
+class ModelBuildConfig(StrictModel):
+    """Build the tiny checkpoint at engine.model_path if it is absent (no downloads)."""
+
+    preset: str | None = Field(
+        None, description="vime.testing.tiny_model preset to build; None: the path must exist."
+    )
+    dtype: str = Field("float32", description="dtype of the built checkpoint.")
+    seed: int = Field(0, description="Seed of the built random weights.")
+
+
+class TrainConfig(StrictModel):
+    """The root of a job's config tree (configs/*.yaml)."""
+
+    run_dir: str = Field("runs/tiny-cpu-async", description="Where metrics, plots and logs go.")
+    num_steps: int = Field(20, ge=1, description="Optimizer steps (= weight syncs).")
+    loop: Literal["async", "sync"] = Field(
+        "async", description="async: one-off pipelining; sync: generate -> train -> sync."
+    )
+    ray_address: str | None = Field(
+        None, description="Ray cluster to join; None starts a local one on rank 0."
+    )
+    model: ModelBuildConfig = Field(default_factory=ModelBuildConfig)
+    engine: EngineConfig = Field(description="The rollout engines.")
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    rollout: RolloutConfig = Field(description="Prompts, sampling and rewards.")
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> TrainConfig:
+        if self.engine.weight_transfer_backend != self.weight_sync.transport:
+            raise ValueError(
+                f"engine.weight_transfer_backend={self.engine.weight_transfer_backend!r} but "
+                f"weight_sync.transport={self.weight_sync.transport!r}: the engines must run the "
+                "backend the trainer sends with; set both to the same value"
+            )
+        return self
+
+
+def _init_distributed(config: TrainConfig) -> tuple[int, int]:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = timedelta(seconds=config.weight_sync.barrier_timeout_s)
+    dist.init_process_group(backend=backend, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _launch_engines(config: TrainConfig, run_dir: Path) -> tuple[list[Any], list[str]]:
+    """Rank 0: engine handles (RayEngine wrappers over named actors) and their URLs."""
+    import ray
+
+    from vime.rollout.ray_engine import RayEngine
+    from vime.rollout.vllm_engine import VLLMEngine
+
+    ray.init(
+        address=config.ray_address,
+        include_dashboard=False,
+        log_to_driver=False,
+        namespace="vime",
+        runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}},
+    )
+    actor_cls = ray.remote(num_cpus=0)(VLLMEngine)
+    urls = config.engine.external_urls or [None] * config.engine.num_engines
+    actors = [
+        actor_cls.options(name=f"vime-engine-{rank}", lifetime=None).remote(
+            config.engine, rank=rank, url=url, log_dir=str(run_dir / "engines")
+        )
+        for rank, url in enumerate(urls)
+    ]
+    timeout = config.engine.startup_timeout_s + 60
+    resolved = ray.get([actor.init.remote() for actor in actors], timeout=timeout)
+    engines = [
+        RayEngine(actor, timeout_s=config.weight_sync.transfer_timeout_s) for actor in actors
+    ]
+    return engines, resolved
+
+
+def _attach_engines(config: TrainConfig, urls: list[str]) -> list[Any]:
+    """Ranks > 0: control-plane clients of the same servers, reached by URL."""
+    from vime.rollout.vllm_engine import VLLMEngine
+
+    engines = []
+    for rank, url in enumerate(urls):
+        engine = VLLMEngine(config.engine, rank=rank, url=url)
+        engine.init()
+        engines.append(engine)
+    return engines
+
+
+def _broadcast_object(obj: Any, group: Any) -> Any:
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0, group=group)
+    return holder[0]
+
+
+def _make_updater(config: TrainConfig, *, engines, trainer, topology, sync_group):
+    from vime.megatron.gather import GatherGroups
+    from vime.weight_sync.update_from_distributed import UpdateWeightFromDistributed
+    from vime.weight_sync.update_from_tensor import UpdateWeightFromTensor
+
+    cls = (
+        UpdateWeightFromTensor
+        if config.weight_sync.mode == "tensor"
+        else UpdateWeightFromDistributed
+    )
+    return cls(
+        config=config.weight_sync,
+        engines=engines,
+        model=trainer.model,
+        converter=trainer.converter,
+        topology=topology,
+        gather_groups=GatherGroups.from_parallel_state(),
+        sync_group=sync_group,
+    )
+
+
+def run(config: TrainConfig) -> dict[str, Any]:
+    """Run the job on this rank; rank 0 returns the summary figures (others: {})."""
+    from megatron.core import parallel_state
+    from transformers import AutoTokenizer
+
+    from vime.megatron.model import initialize_model_parallel
+    from vime.rl.rollout import RolloutThread
+    from vime.rollout.generation import GenerationClient
+    from vime.trainer import MegatronTrainer
+
+    rank, world_size = _init_distributed(config)
+    run_dir = Path(config.run_dir)
+    sync_group = dist.new_group(
+        backend="gloo", timeout=timedelta(seconds=config.weight_sync.barrier_timeout_s)
+    )
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.resolved.json").write_text(config.model_dump_json(indent=2))
+        if config.model.preset is not None:
+            from vime.testing.tiny_model import build_tiny_model
+
+            build_tiny_model(
+                config.engine.model_path, config.model.preset, config.model.dtype, config.model.seed
+            )
+    dist.barrier(group=sync_group)
+
+    topology = initialize_model_parallel(
+        tp=config.trainer.tensor_parallel_size,
+        pp=config.trainer.pipeline_parallel_size,
+        timeout=timedelta(seconds=config.trainer.collective_timeout_s),
+    )
+    dp_group = parallel_state.get_data_parallel_group() if topology.dp_size > 1 else None
+    trainer = MegatronTrainer(
+        config.trainer,
+        model_path=config.engine.model_path,
+        topology=topology,
+        grpo=config.grpo,
+        dp_group=dp_group,
+    )
+
+    engines, urls = _launch_engines(config, run_dir) if rank == 0 else (None, None)
+    urls = _broadcast_object(urls, sync_group)
+    if rank != 0:
+        engines = _attach_engines(config, urls)
+    updater = _make_updater(
+        config, engines=engines, trainer=trainer, topology=topology, sync_group=sync_group
+    )
+    updater.connect()
+
+    tokenizer = AutoTokenizer.from_pretrained(config.engine.model_path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    rollouts = None
+    writer = None
+    if rank == 0:
+        client = GenerationClient(urls)
+        rollouts = RolloutThread(config.rollout, client=client, tokenizer=tokenizer)
+        writer = MetricsWriter(run_dir)
+    summary: dict[str, Any] = {}
+    job_start = time.time()
+    try:
+        pending = rollouts.submit(0) if rank == 0 and config.loop == "async" else None
+        for step in range(config.num_steps):
+            batch = None
+            if rank == 0:
+                batch = pending.result() if pending is not None else rollouts.submit(step).result()
+                # One-off pipelining: batch k+1 is generated while batch k trains and syncs.
+                is_last = step + 1 == config.num_steps
+                pending = (
+                    rollouts.submit(step + 1) if config.loop == "async" and not is_last else None
+                )
+            packed = _broadcast_object(batch.pack(pad_id) if rank == 0 else None, sync_group)
+            train_start = time.time()
+            train_metrics = trainer.train_step(packed)
+            train_end = time.time()
+            report = updater.update_weights()
+            if rank == 0:
+                metrics = {
+                    **batch.metrics(trainer_version=updater.weight_version - 1),
+                    **prefixed(train_metrics, "train/"),
+                    "rollout/num_samples": len(batch.samples),
+                    "sync/time_s": report.total_s,
+                    "sync/weight_version": updater.weight_version,
+                    "sync/verified": float(report.verified),
+                    "sync/bytes": report.num_bytes,
+                    "train/param_fingerprint": trainer.param_fingerprint(),
+                    "time/gen_start": batch.start_time - job_start,
+                    "time/gen_end": batch.end_time - job_start,
+                    "time/train_start": train_start - job_start,
+                    "time/train_end": train_end - job_start,
+                    "time/step_end": time.time() - job_start,
+                }
+                metrics.update(prefixed(report.seconds, "sync/phase_"))
+                writer.log(step, metrics)
+                logger.info(
+                    "step %d: reward %.3f, logprob diff %.4f, sync %.2f s, version %d",
+                    step,
+                    metrics.get("rollout/reward_mean", float("nan")),
+                    train_metrics.get("logprob_diff", float("nan")),
+                    report.total_s,
+                    updater.weight_version,
+                )
+    finally:
+        if rank == 0:
+            rollouts.close()
+            writer.close()
+            summary = {"wall_s": time.time() - job_start, "run_dir": str(run_dir)}
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        updater.close()
+        if rank == 0:
+            for engine in engines:
+                engine.shutdown()
+            import ray
+
+            ray.shutdown()
+        dist.barrier(group=sync_group)
+        dist.destroy_process_group()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML file under configs/")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. num_steps=5")
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s"
+    )
+    try:
+        config = load_config(TrainConfig, args.config, args.overrides)
+    except (ValueError, OSError) as exc:
+        # Fail before any process group, engine or model exists; the message names each field.
+        print(f"vime.train: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    summary = run(config)
+    if summary:
+        print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

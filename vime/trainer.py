@@ -1,0 +1,203 @@
+"""The RL trainer: a megatron-core GPTModel over TP x DP ranks, one GRPO optimizer step per batch.
+
+Every rank calls `train_step` with the same packed batch; each data-parallel rank takes its slice,
+runs micro-batches (gradient accumulation, the loss normalised by the whole batch's token count),
+sums gradients over DP, clips and steps. Pipeline parallel training is not supported yet (PP > 1
+is rejected by TrainerConfig); weight sync itself handles PP.
+
+    trainer = MegatronTrainer(config, model_path=..., topology=topology)
+    metrics = trainer.train_step(packed_batch)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import Field
+
+from vime.config import StrictModel
+from vime.megatron.converters import get_converter
+from vime.megatron.model import (
+    build_gpt_model,
+    load_hf_checkpoint,
+    load_hf_config,
+    pad_vocab_size,
+    token_logprobs,
+)
+from vime.megatron.topology import Topology
+from vime.rl.loss import GRPOConfig, group_advantages, grpo_loss
+from vime.rl.rollout import PackedBatch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class TrainerConfig(StrictModel):
+    """Model parallelism and optimisation of the megatron trainer."""
+
+    tensor_parallel_size: int = Field(1, ge=1, description="Megatron TP degree.")
+    pipeline_parallel_size: int = Field(
+        1, ge=1, le=1, description="Megatron PP degree; training supports 1 for now."
+    )
+    params_dtype: str = Field("float32", description="Parameter dtype: float32 or bfloat16.")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this.")
+    micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward.")
+    collective_timeout_s: float = Field(
+        600.0, gt=0, description="Timeout of the trainer's collectives (DP gradient sums)."
+    )
+    seed: int = Field(0, description="Torch seed on every rank.")
+
+    def model_post_init(self, __context: Any) -> None:
+        if self.params_dtype not in _DTYPES:
+            raise ValueError(
+                f"trainer.params_dtype={self.params_dtype!r}; choose one of {sorted(_DTYPES)}"
+            )
+
+
+class MegatronTrainer:
+    """Owns the model shards and optimizer of this rank."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        *,
+        model_path: str,
+        topology: Topology,
+        grpo: GRPOConfig,
+        dp_group: Any = None,
+    ):
+        torch.manual_seed(config.seed)
+        self.config = config
+        self.grpo = grpo
+        self.topology = topology
+        self.dp_group = dp_group
+        self.hf_config = load_hf_config(model_path)
+        self.vocab_size = self.hf_config.vocab_size
+        self.converter = get_converter(
+            self.hf_config,
+            padded_vocab_size=pad_vocab_size(self.vocab_size, topology.tp_size),
+        )
+        self.model = build_gpt_model(
+            self.converter, topology, params_dtype=_DTYPES[config.params_dtype]
+        )
+        load_hf_checkpoint(self.model, model_path, converter=self.converter, topology=topology)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=config.lr,
+            betas=config.betas,
+            weight_decay=config.weight_decay,
+        )
+        self.num_steps = 0
+
+    def _dp_slice(self, num_samples: int) -> slice:
+        """This DP rank's samples: whole groups never split (advantages are per group)."""
+        dp_size, dp_rank = self.topology.dp_size, self.topology.dp_rank
+        if num_samples % dp_size:
+            raise ValueError(
+                f"batch of {num_samples} samples does not split over {dp_size} data-parallel "
+                "ranks; make num_prompts_per_step * num_samples_per_prompt a multiple of DP"
+            )
+        per_rank = num_samples // dp_size
+        return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+
+    def train_step(self, batch: PackedBatch) -> dict[str, float]:
+        """One optimizer step on `batch` (the same on every rank); returns rank-local metrics."""
+        started = time.monotonic()
+        self.model.train()
+        advantages = group_advantages(
+            batch.rewards,
+            batch.group_size,
+            eps=self.grpo.advantage_eps,
+            normalize_std=self.grpo.normalize_std,
+        )
+        mine = self._dp_slice(batch.input_ids.shape[0])
+        input_ids = batch.input_ids[mine]
+        mask = batch.loss_mask[mine]
+        rollout_logprobs = batch.rollout_logprobs[mine]
+        advantages = advantages[mine]
+        # Normalise by the whole batch's token count, so micro-batches and DP ranks sum to its mean.
+        num_batch_tokens = float(batch.loss_mask.sum())
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        num_micro = 0
+        for start in range(0, input_ids.shape[0], self.config.micro_batch_size):
+            end = start + self.config.micro_batch_size
+            train_logprobs = token_logprobs(
+                self.model, input_ids[start:end], vocab_size=self.vocab_size
+            )
+            loss, metrics = grpo_loss(
+                train_logprobs,
+                rollout_logprobs[start:end],
+                advantages[start:end],
+                mask[start:end],
+                config=self.grpo,
+                num_batch_tokens=num_batch_tokens,
+            )
+            loss.backward()
+            num_micro += 1
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + value
+        self._reduce_gradients()
+        grad_norm = self._clip_gradients()
+        self.optimizer.step()
+        self.num_steps += 1
+        metrics = {key: value / max(1, num_micro) for key, value in sums.items()}
+        metrics["grad_norm"] = float(grad_norm)
+        metrics["time_s"] = time.monotonic() - started
+        if not math.isfinite(metrics["grad_norm"]):
+            raise FloatingPointError(f"non-finite gradient norm at step {self.num_steps}")
+        return metrics
+
+    def param_fingerprint(self) -> float:
+        """A cheap number that changes whenever this rank's weights change (for run checks)."""
+        with torch.no_grad():
+            return float(sum(p.double().abs().sum() for p in self.model.parameters()))
+
+    def _clip_gradients(self) -> float:
+        """Clip by the global norm over the whole model; every TP rank gets the same factor.
+
+        A TP-sharded parameter contributes its shard on every TP rank; a replicated one (norms,
+        biases of row-parallel layers) only on TP rank 0, so the sum over TP counts it once.
+        """
+        squares = torch.zeros((), dtype=torch.float64)
+        for param in self.model.parameters():
+            if param.grad is None:
+                continue
+            sharded = getattr(param, "tensor_model_parallel", False)
+            if sharded or self.topology.tp_rank == 0:
+                squares += param.grad.detach().double().pow(2).sum()
+        if self.topology.tp_size > 1:
+            from megatron.core import parallel_state
+
+            work = dist.all_reduce(
+                squares, group=parallel_state.get_tensor_model_parallel_group(), async_op=True
+            )
+            work.wait(timedelta(seconds=self.config.collective_timeout_s))
+        total_norm = float(squares.sqrt())
+        factor = self.config.grad_clip / (total_norm + 1e-6)
+        if factor < 1.0:
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(factor)
+        return total_norm
+
+    def _reduce_gradients(self) -> None:
+        """Sum gradients over data-parallel ranks (the loss already divides by global tokens)."""
+        if self.topology.dp_size == 1:
+            return
+        timeout = timedelta(seconds=self.config.collective_timeout_s)
+        for param in self.model.parameters():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            work = dist.all_reduce(param.grad, group=self.dp_group, async_op=True)
+            work.wait(timeout)
