@@ -72,6 +72,11 @@ class TrainConfig(StrictModel):
                 f"weight_sync.transport={self.weight_sync.transport!r}: the engines must run the "
                 "backend the trainer sends with; set both to the same value"
             )
+        if self.grpo.kl_coef > 0:
+            raise ValueError(
+                f"grpo.kl_coef={self.grpo.kl_coef}: the trainer keeps no reference model yet; "
+                "set grpo.kl_coef=0"
+            )
         return self
 
 

@@ -1,0 +1,35 @@
+"""Every file in configs/ parses into the job's config tree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vime.config import load_config
+from vime.train import TrainConfig
+
+pytestmark = pytest.mark.unit
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+
+def test_there_are_configs():
+    assert {p.name for p in CONFIGS} >= {"tiny_cpu_async.yaml", "tiny_cpu_async_gloo.yaml"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_config_loads(path):
+    config = load_config(TrainConfig, path)
+    assert config.engine.weight_transfer_backend == config.weight_sync.transport
+
+
+def test_backend_mismatch_says_how_to_fix():
+    path = CONFIGS[0]
+    with pytest.raises(ValueError, match="set both to the same value"):
+        load_config(TrainConfig, path, ["engine.weight_transfer_backend=gloo"])
+
+
+def test_reference_kl_is_rejected_until_supported():
+    with pytest.raises(ValueError, match="grpo.kl_coef"):
+        load_config(TrainConfig, CONFIGS[0], ["grpo.kl_coef=0.1"])
