@@ -123,7 +123,9 @@ class GenerationClient:
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=0)
+            # Close idle connections before uvicorn does (its keep-alive timeout is 5 s), so a
+            # request is never sent on a connection the server is dropping.
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)
             self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
         return self._session
 

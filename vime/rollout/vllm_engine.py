@@ -15,8 +15,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import requests
-
 from vime.config import EngineConfig, PauseMode
 from vime.rollout.server import ServerProcess, launch_server, wait_until_healthy
 from vime.utils.http import EngineHTTPError, request_json
@@ -49,7 +47,6 @@ class VLLMEngine:
         self._log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="vime-engine-"))
         self._server: ServerProcess | None = None
         self._url: str | None = None
-        self._session = requests.Session()
         self.startup_s: float | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -93,13 +90,12 @@ class VLLMEngine:
         if self._server is not None:
             self._server.stop()
             self._server = None
-        self._session.close()
 
     def health(self) -> bool:
         if self.node_rank != 0:
             return True
         try:
-            request_json("GET", f"{self.url}/health", timeout_s=5.0, session=self._session)
+            request_json("GET", f"{self.url}/health", timeout_s=5.0)
         except EngineHTTPError:
             return False
         return True
@@ -115,7 +111,12 @@ class VLLMEngine:
         json: Any = None,
         timeout_s: float | None = None,
     ) -> Any:
-        """Every control call goes through here; None on node ranks that serve no HTTP."""
+        """Every control call goes through here; None on node ranks that serve no HTTP.
+
+        A fresh connection per call, no pooled session: uvicorn drops idle keep-alive connections
+        after 5 s, and a POST sent on such a connection fails with "connection reset" (seen in
+        tests); retrying a POST like /pause is not safe, a new loopback connection costs ~0.1 ms.
+        """
         if self.node_rank != 0:
             return None
         return request_json(
@@ -124,7 +125,6 @@ class VLLMEngine:
             params=params,
             json=json,
             timeout_s=timeout_s if timeout_s is not None else self.config.request_timeout_s,
-            session=self._session,
         )
 
     # ---- pause / resume --------------------------------------------------------------------
