@@ -228,7 +228,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
                 )
             packed = _broadcast_object(batch.pack(pad_id) if rank == 0 else None, sync_group)
             train_start = time.time()
-            train_metrics = trainer.train_step(packed)
+            train_metrics = trainer.train_step(packed, weight_version=updater.weight_version)
             train_end = time.time()
             report = updater.update_weights()
             if rank == 0:

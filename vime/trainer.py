@@ -110,8 +110,14 @@ class MegatronTrainer:
         per_rank = num_samples // dp_size
         return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
 
-    def train_step(self, batch: PackedBatch) -> dict[str, float]:
-        """One optimizer step on `batch` (the same on every rank); returns rank-local metrics."""
+    def train_step(self, batch: PackedBatch, weight_version: int | None = None) -> dict[str, float]:
+        """One optimizer step on `batch` (the same on every rank); returns rank-local metrics.
+
+        `weight_version`: the version the engines hold of this trainer's current weights. Tokens
+        sampled by exactly that version must get the same log-prob here as in the engine; their
+        mean |difference| (`logprob_diff_same_version`) is the online check that sync is exact,
+        free of the staleness that `logprob_diff` (all tokens) includes.
+        """
         started = time.monotonic()
         self.model.train()
         advantages = group_advantages(
@@ -129,7 +135,8 @@ class MegatronTrainer:
         num_batch_tokens = float(batch.loss_mask.sum())
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        num_micro = 0
+        num_tokens = 0.0
+        same_version_diff = same_version_tokens = 0.0
         for start in range(0, input_ids.shape[0], self.config.micro_batch_size):
             end = start + self.config.micro_batch_size
             train_logprobs = token_logprobs(
@@ -141,17 +148,36 @@ class MegatronTrainer:
                 advantages[start:end],
                 mask[start:end],
                 config=self.grpo,
+                # One update per batch: the policy before it is the one being trained, so truncated
+                # IS weighs exp(old - rollout) with old = the current log-probs, detached.
+                old_logprobs=train_logprobs.detach() if self.grpo.tis_cap is not None else None,
                 num_batch_tokens=num_batch_tokens,
             )
             loss.backward()
-            num_micro += 1
+            if weight_version is not None and batch.token_versions is not None:
+                versions = batch.token_versions[mine][start:end]
+                same = (versions == weight_version) & (mask[start:end] > 0)
+                diff = (train_logprobs.detach() - rollout_logprobs[start:end]).abs()
+                same_version_diff += float(diff[same].sum())
+                same_version_tokens += float(same.sum())
+            # Each micro-batch's loss is its share of the batch loss: sum it. Other metrics are
+            # means over the micro-batch's tokens: weight them by its token count.
+            micro_tokens = float(mask[start:end].sum())
+            num_tokens += micro_tokens
             for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + value
+                weight = 1.0 if key in ("loss", "num_tokens") else micro_tokens
+                sums[key] = sums.get(key, 0.0) + weight * value
         self._reduce_gradients()
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.num_steps += 1
-        metrics = {key: value / max(1, num_micro) for key, value in sums.items()}
+        metrics = {
+            key: value if key in ("loss", "num_tokens") else value / max(num_tokens, 1.0)
+            for key, value in sums.items()
+        }
+        if same_version_tokens:
+            metrics["logprob_diff_same_version"] = same_version_diff / same_version_tokens
+        metrics["same_version_token_fraction"] = same_version_tokens / max(num_tokens, 1.0)
         metrics["grad_norm"] = float(grad_norm)
         metrics["time_s"] = time.monotonic() - started
         if not math.isfinite(metrics["grad_norm"]):

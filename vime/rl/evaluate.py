@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", default=str(DIGIT_REPEAT_TEST))
     parser.add_argument("--reward-fn", default="vime.rl.rewards:digit_match")
     parser.add_argument("--samples", type=int, default=4, help="samples per prompt")
-    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--url", help="an already running server; none is launched")
     args = parser.parse_args(argv)
