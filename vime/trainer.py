@@ -113,10 +113,10 @@ class MegatronTrainer:
     def train_step(self, batch: PackedBatch, weight_version: int | None = None) -> dict[str, float]:
         """One optimizer step on `batch` (the same on every rank); returns rank-local metrics.
 
-        `weight_version`: the version the engines hold of this trainer's current weights. Tokens
-        sampled by exactly that version must get the same log-prob here as in the engine; their
-        mean |difference| (`logprob_diff_same_version`) is the online check that sync is exact,
-        free of the staleness that `logprob_diff` (all tokens) includes.
+        `weight_version`: the version the engines hold of this trainer's current weights. Samples
+        generated entirely by that version must get the same log-probs here as in the engine;
+        their mean |difference| (`logprob_diff_same_version`) is the online check that sync is
+        exact, free of the staleness that `logprob_diff` (all tokens) includes.
         """
         started = time.monotonic()
         self.model.train()
@@ -155,8 +155,13 @@ class MegatronTrainer:
             )
             loss.backward()
             if weight_version is not None and batch.token_versions is not None:
+                # Whole samples only: a sample that straddled a sync (keep pause, clear_cache
+                # false) continues on KV computed by the old weights, so even its new-version
+                # tokens differ from a recompute.
                 versions = batch.token_versions[mine][start:end]
-                same = (versions == weight_version) & (mask[start:end] > 0)
+                on = mask[start:end] > 0
+                whole = ((versions == weight_version) | ~on).all(dim=1) & on.any(dim=1)
+                same = whole[:, None] & on
                 diff = (train_logprobs.detach() - rollout_logprobs[start:end]).abs()
                 same_version_diff += float(diff[same].sum())
                 same_version_tokens += float(same.sum())
