@@ -51,6 +51,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def init_gloo_rank(rank: int, world_size: int, port: int) -> None:
+    """This spawned process joins the test's gloo world on loopback, one thread per rank."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+
+
 def _worker(rank: int, world_size: int, port: int, job: Job, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -67,14 +81,7 @@ def _worker(rank: int, world_size: int, port: int, job: Job, out_dir: str) -> No
     )
     from vime.megatron.topology import Topology
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=COLLECTIVE_TIMEOUT,
-    )
+    init_gloo_rank(rank, world_size, port)
     topology = initialize_model_parallel(
         tp=job.tp, pp=job.pp, ep=job.ep, expert_tp=job.expert_tp, timeout=COLLECTIVE_TIMEOUT
     )

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import requests
 import torch
-from megatron_harness import spawn_ranks
+from megatron_harness import init_gloo_rank, spawn_ranks
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=90)
 GREEDY_TOKENS = 12
@@ -156,14 +156,7 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
     from vime.weight_sync.update_from_tensor import UpdateWeightFromTensor
 
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(name)s: %(message)s")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=COLLECTIVE_TIMEOUT,
-    )
+    init_gloo_rank(rank, world_size, port)
     topology = initialize_model_parallel(tp=job.tp, pp=job.pp, timeout=COLLECTIVE_TIMEOUT)
     groups = GatherGroups.from_parallel_state()
     sync_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
