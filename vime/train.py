@@ -198,6 +198,14 @@ def run(config: TrainConfig) -> dict[str, Any]:
 
     engines, urls = _launch_engines(config, run_dir) if rank == 0 else (None, None)
     urls = _broadcast_object(urls, sync_group)
+    num_local_engines = 0 if config.engine.external_urls else config.engine.num_engines
+    cpu_cores = config.trainer.resolve_cpu_cores(num_local_engines)
+    if cpu_cores and not torch.cuda.is_available():
+        # After the engines started (they inherit nothing from here any more): train on the
+        # cores the engines leave free, so overlapped generation and training do not contend.
+        os.sched_setaffinity(0, set(cpu_cores))
+        torch.set_num_threads(len(cpu_cores))
+        logger.info("trainer pinned to cores %s", cpu_cores)
     if rank != 0:
         engines = _attach_engines(config, urls)
     updater = _make_updater(

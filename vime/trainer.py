@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,25 @@ class TrainerConfig(StrictModel):
         600.0, gt=0, description="Timeout of the trainer's collectives (DP gradient sums)."
     )
     seed: int = Field(0, description="Torch seed on every rank.")
+    cpu_cores: Literal["auto"] | list[int] | None = Field(
+        None,
+        description=(
+            "CPU only: pin the trainer ranks' threads to these cores (applied after the engines "
+            "start, so they keep theirs). 'auto': the last core, which vLLM's default OpenMP "
+            "binding leaves to its API server, when a single local engine shares the host. "
+            "None leaves the affinity alone (torch then spins on the engine's core too: on 2 "
+            "cores a train step took 0.95 s instead of 0.15 s)."
+        ),
+    )
+
+    def resolve_cpu_cores(self, num_local_engines: int) -> list[int] | None:
+        """The cores to pin to on this host, or None."""
+        if self.cpu_cores != "auto":
+            return self.cpu_cores
+        cores = sorted(os.sched_getaffinity(0))
+        if num_local_engines != 1 or len(cores) < 2:
+            return None
+        return cores[-1:]
 
     def model_post_init(self, __context: Any) -> None:
         if self.params_dtype not in _DTYPES:

@@ -33,3 +33,14 @@ def test_backend_mismatch_says_how_to_fix():
 def test_reference_kl_is_rejected_until_supported():
     with pytest.raises(ValueError, match="grpo.kl_coef"):
         load_config(TrainConfig, CONFIGS[0], ["grpo.kl_coef=0.1"])
+
+
+def test_trainer_cpu_cores_auto_takes_the_core_vllm_leaves_free(monkeypatch):
+    from vime.trainer import TrainerConfig
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert TrainerConfig(cpu_cores="auto").resolve_cpu_cores(1) == [3]
+    assert TrainerConfig(cpu_cores="auto").resolve_cpu_cores(2) is None  # engines split all cores
+    assert TrainerConfig(cpu_cores="auto").resolve_cpu_cores(0) is None  # external engines
+    assert TrainerConfig(cpu_cores=[0, 1]).resolve_cpu_cores(1) == [0, 1]
+    assert TrainerConfig().resolve_cpu_cores(1) is None
