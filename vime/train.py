@@ -110,7 +110,12 @@ def _launch_engines(config: TrainConfig, run_dir: Path) -> tuple[list[Any], list
         for rank, url in enumerate(urls)
     ]
     timeout = config.engine.startup_timeout_s + 60
-    resolved = ray.get([actor.init.remote() for actor in actors], timeout=timeout)
+    try:
+        resolved = ray.get([actor.init.remote() for actor in actors], timeout=timeout)
+    except BaseException:
+        # An engine that failed stopped its own server; stop the ones that came up.
+        ray.get([actor.shutdown.remote() for actor in actors], timeout=120)
+        raise
     engines = [
         RayEngine(actor, timeout_s=config.weight_sync.transfer_timeout_s) for actor in actors
     ]
@@ -159,11 +164,8 @@ def _make_updater(config: TrainConfig, *, engines, trainer, topology, sync_group
 def run(config: TrainConfig) -> dict[str, Any]:
     """Run the job on this rank; rank 0 returns the summary figures (others: {})."""
     from megatron.core import parallel_state
-    from transformers import AutoTokenizer
 
     from vime.megatron.model import initialize_model_parallel
-    from vime.rl.rollout import RolloutThread
-    from vime.rollout.generation import GenerationClient
     from vime.trainer import MegatronTrainer
 
     rank, world_size = _init_distributed(config)
@@ -196,7 +198,32 @@ def run(config: TrainConfig) -> dict[str, Any]:
         dp_group=dp_group,
     )
 
-    engines, urls = _launch_engines(config, run_dir) if rank == 0 else (None, None)
+    engines, urls = _launch_engines(config, run_dir) if rank == 0 else ([], None)
+    completed = False
+    try:
+        summary = _run_loop(config, rank, run_dir, trainer, topology, sync_group, engines, urls)
+        completed = True
+    finally:
+        if rank == 0:
+            import ray
+
+            # Servers run in their own process groups: end them even when the loop failed.
+            for engine in engines:
+                engine.shutdown()
+            ray.shutdown()
+        if completed:
+            dist.barrier(group=sync_group)
+        dist.destroy_process_group()
+    return summary
+
+
+def _run_loop(config, rank, run_dir, trainer, topology, sync_group, engines, urls) -> dict:
+    """Attach, connect the updater, then generate/train/sync for num_steps; rank 0's summary."""
+    from transformers import AutoTokenizer
+
+    from vime.rl.rollout import RolloutThread
+    from vime.rollout.generation import GenerationClient
+
     urls = _broadcast_object(urls, sync_group)
     num_local_engines = 0 if config.engine.external_urls else config.engine.num_engines
     cpu_cores = config.trainer.resolve_cpu_cores(num_local_engines)
@@ -272,14 +299,6 @@ def run(config: TrainConfig) -> dict[str, Any]:
             summary = {"wall_s": time.time() - job_start, "run_dir": str(run_dir)}
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         updater.close()
-        if rank == 0:
-            for engine in engines:
-                engine.shutdown()
-            import ray
-
-            ray.shutdown()
-        dist.barrier(group=sync_group)
-        dist.destroy_process_group()
     return summary
 
 

@@ -127,3 +127,61 @@ def test_malformed_config_fails_fast_naming_the_field(tmp_path):
     )
     assert completed.returncode != 0
     assert "num_stepz" in completed.stderr and "trainer.lr" in completed.stderr
+
+
+def test_failure_after_launch_ends_the_engine_servers(tmp_path, tiny_model_dir):
+    """An error once the engines are up (here: a reward path that does not resolve) must not
+    leave a vLLM server behind: the job ends the process group of every server it started."""
+    import re
+    import time
+
+    run_dir = tmp_path / "run"
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            "-m",
+            "vime.train",
+            "--config",
+            str(REPO_ROOT / "configs" / "tiny_cpu_async.yaml"),
+            f"run_dir={run_dir}",
+            f"engine.model_path={tiny_model_dir}",
+            "model.preset=null",
+            "rollout.reward_fn=vime.rl.rewards:no_such_reward",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert completed.returncode != 0
+    assert "no_such_reward" in completed.stderr
+    log = (run_dir / "engines" / "vllm-engine-0.log").read_text()
+    pids = {int(pid) for pid in re.findall(r"\((?:APIServer|EngineCore) pid=(\d+)\)", log)}
+    assert pids, "the engine log names no server process"
+    deadline = time.monotonic() + 30
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = {pid for pid in pids if _is_alive(pid)}
+        time.sleep(0.5)
+    assert not alive, f"vLLM processes left running: {alive}"
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it has exited all the same.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
