@@ -20,9 +20,9 @@ pytestmark = pytest.mark.distributed
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_job(config: str, tmp_path: Path, model_dir: Path, *overrides: str, nproc: int = 1):
-    run_dir = tmp_path / "run"
-    cmd = [
+def job_command(config: str, run_dir: Path, model_dir: Path, *overrides: str, nproc: int = 1):
+    """torchrun -m vime.train on a repo config, with the test's run dir and model."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -41,6 +41,11 @@ def run_job(config: str, tmp_path: Path, model_dir: Path, *overrides: str, nproc
         "model.preset=null",
         *overrides,
     ]
+
+
+def run_job(config: str, tmp_path: Path, model_dir: Path, *overrides: str, nproc: int = 1):
+    run_dir = tmp_path / "run"
+    cmd = job_command(config, run_dir, model_dir, *overrides, nproc=nproc)
     completed = subprocess.run(
         cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ)
     )
@@ -137,25 +142,12 @@ def test_failure_after_launch_ends_the_engine_servers(tmp_path, tiny_model_dir):
 
     run_dir = tmp_path / "run"
     completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "1",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(_free_port()),
-            "-m",
-            "vime.train",
-            "--config",
-            str(REPO_ROOT / "configs" / "tiny_cpu_async.yaml"),
-            f"run_dir={run_dir}",
-            f"engine.model_path={tiny_model_dir}",
-            "model.preset=null",
+        job_command(
+            "tiny_cpu_async.yaml",
+            run_dir,
+            tiny_model_dir,
             "rollout.reward_fn=vime.rl.rewards:no_such_reward",
-        ],
+        ),
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -80,6 +80,16 @@ class InFlightCalls:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+def check_engine_world_sizes(engine_world_sizes: Sequence[int]) -> list[int]:
+    """Each engine's worker count (GET /get_world_size), all positive; a ValueError otherwise."""
+    if not engine_world_sizes or any(n <= 0 for n in engine_world_sizes):
+        raise ValueError(
+            "engine_world_sizes must list each engine's worker count (GET /get_world_size), "
+            f"all positive; got {list(engine_world_sizes)}"
+        )
+    return list(engine_world_sizes)
+
+
 class Transport(ABC):
     """Moves packed buckets from this trainer process into the engines' workers."""
 

@@ -21,7 +21,13 @@ import torch
 import torch.distributed as dist
 
 from vime.weight_sync.buckets import Bucket
-from vime.weight_sync.transports.base import EngineCall, FillBucket, InFlightCalls, Transport
+from vime.weight_sync.transports.base import (
+    EngineCall,
+    FillBucket,
+    InFlightCalls,
+    Transport,
+    check_engine_world_sizes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +51,7 @@ class GlooTransport(Transport):
     ):
         """`master_address` must be reachable from every engine worker; port 0 picks a free one."""
         super().__init__(timeout_s=timeout_s)
-        if not engine_world_sizes or any(n <= 0 for n in engine_world_sizes):
-            raise ValueError(
-                f"engine_world_sizes must list each engine's worker count (GET /get_world_size),"
-                f" all positive; got {list(engine_world_sizes)}"
-            )
-        self.engine_world_sizes = list(engine_world_sizes)
+        self.engine_world_sizes = check_engine_world_sizes(engine_world_sizes)
         self.world_size = 1 + sum(self.engine_world_sizes)
         self.master_address = master_address
         self.master_port = master_port

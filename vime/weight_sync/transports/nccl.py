@@ -21,7 +21,12 @@ from typing import Any
 import torch
 
 from vime.weight_sync.buckets import Bucket
-from vime.weight_sync.transports.base import EngineCall, InFlightCalls, Transport
+from vime.weight_sync.transports.base import (
+    EngineCall,
+    InFlightCalls,
+    Transport,
+    check_engine_world_sizes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +50,9 @@ class NcclTransport(Transport):
     ):
         """`master_port` must be free on this host: rank 0 serves vLLM's StatelessProcessGroup."""
         super().__init__(timeout_s=timeout_s)
-        if not engine_world_sizes or any(n <= 0 for n in engine_world_sizes):
-            raise ValueError(
-                f"engine_world_sizes must list each engine's worker count, all positive; "
-                f"got {list(engine_world_sizes)}"
-            )
         if max_bucket_bytes <= 0:
             raise ValueError(f"max_bucket_bytes must be positive, got {max_bucket_bytes}")
-        self.engine_world_sizes = list(engine_world_sizes)
+        self.engine_world_sizes = check_engine_world_sizes(engine_world_sizes)
         self.world_size = 1 + sum(self.engine_world_sizes)
         self.master_address = master_address
         self.master_port = master_port
