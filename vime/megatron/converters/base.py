@@ -131,6 +131,8 @@ class DecoderConverter:
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"{cls.architecture}: hidden_act={act!r}; only 'silu' is supported")
+        if getattr(hf_config, "use_sliding_window", False):
+            raise ValueError(f"{cls.architecture}: use_sliding_window=True is not supported")
 
     # ---- names and shapes -------------------------------------------------------------------
 

@@ -16,5 +16,3 @@ class Qwen3Converter(DecoderConverter):
         super().check_config(hf_config)
         if getattr(hf_config, "attention_bias", False):
             raise ValueError(f"{cls.architecture}: attention_bias=True is not supported")
-        if getattr(hf_config, "use_sliding_window", False):
-            raise ValueError(f"{cls.architecture}: use_sliding_window=True is not supported")
