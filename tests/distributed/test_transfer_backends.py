@@ -307,11 +307,31 @@ def test_shm_backend_syncs_exact_weights_and_cleans_up(servers, reference):
         assert modes == [0o600] * len(buckets)
         assert not list(shm_dir.glob(f"{transport.prefix}*")), "segments left behind"
         _check_served(server, reference, "new", "1")
+        first_names = [b["shm_name"] for info in infos for b in info["buckets"]]
 
-        # A rejected update (no start_weight_update) still unlinks its segment.
+        # The next sync refills the same (now unlinked) segments, which the engine still maps.
+        old = reference["old"]["weights"]
+        infos.clear()
+
+        def send_old() -> None:
+            infos.extend(transport.send_buckets(buckets, _filler(old), [update]))
+
+        _sync(server, send_old, version="2")
+        assert [b["shm_name"] for info in infos for b in info["buckets"]] == first_names
+        assert transport.num_bytes_held >= sum(b.nbytes for b in buckets)
+        _check_served(server, reference, "old", "2")
+
+        # A rejected update (no start_weight_update) drops every segment: the engine may hold
+        # views of them, so the next sync starts with new ones.
         with pytest.raises(RuntimeError, match="start_weight_update"):
             transport.send_buckets(buckets, _filler(new), [update])
-        # A segment handed out but never sent is unlinked by close().
+        assert transport.num_bytes_held == 0
+        infos.clear()
+        _sync(server, send_all, version="3")
+        assert not set(b["shm_name"] for info in infos for b in info["buckets"]) & set(first_names)
+        _check_served(server, reference, "new", "3")
+        # A new segment handed out but never sent is unlinked by close().
+        transport.discard()
         transport.buffer_for(buckets[0])
         assert len(list(shm_dir.glob(f"{transport.prefix}*"))) == 1
     finally:

@@ -33,6 +33,7 @@ from vime.megatron.converters.base import EMBEDDING, FINAL_NORM, OUTPUT_LAYER
 from vime.megatron.model import full_param_names, unwrap
 from vime.megatron.sharding import unshard
 from vime.megatron.topology import Topology
+from vime.utils.timing import PhaseTimer
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.+)$")
@@ -201,13 +202,16 @@ def gather_hf_weights(
     topology: Topology,
     groups: GatherGroups,
     timeout: timedelta = timedelta(minutes=5),
+    timer: PhaseTimer | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield this stage's full HF (name, tensor) pairs on its pp sender; yield nothing elsewhere.
 
     Run it to the end on every rank of the stage. Each collective wait times out after `timeout`.
     Tensors keep the parameters' dtype and device; they may share storage with the parameters
-    (TP=1), so copy before the next optimizer step if you keep them.
+    (TP=1), so copy before the next optimizer step if you keep them. `timer` gets the time spent
+    in the collectives and unsharding ("gather") and in the Megatron -> HF mapping ("convert").
     """
+    timer = timer or PhaseTimer()
     model = unwrap(model)
     gatherer = _StageGatherer(model, converter, topology, groups, timeout)
     plan = [name for name, _ in stage_plan(converter, model.config, topology.pp_rank)]
@@ -215,7 +219,10 @@ def gather_hf_weights(
     unplanned = set(gatherer.params) - set(plan) - {OUTPUT_LAYER}
     assert not unplanned, f"parameters missing from the gather plan: {sorted(unplanned)}"
     for name in plan:
-        full = gatherer.expert(name) if _EXPERT.match(name) else gatherer.dense(name)
+        with timer.phase("gather"):
+            full = gatherer.expert(name) if _EXPERT.match(name) else gatherer.dense(name)
         if topology.is_pp_sender:
             assert full is not None, f"{name} did not reach the pp sender"
-            yield from converter.to_hf(name, full)
+            with timer.phase("convert"):
+                hf_tensors = list(converter.to_hf(name, full))
+            yield from hf_tensors

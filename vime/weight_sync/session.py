@@ -54,6 +54,9 @@ class SyncReport:
     num_buckets: int = 0  # sent by this rank
     num_bytes: int = 0  # sent by this rank
     verified: bool = False  # engine checksums compared with what this rank sent
+    # The send phase on this rank, split up by the updater: gather, convert, pack, checksum,
+    # transfer (bytes moving + the engines' update calls, their load included).
+    send_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def total_s(self) -> float:
@@ -141,9 +144,10 @@ def run_sync_session(
 
     0. the caller has already incremented `weight_version` and checked names, dtypes and shapes;
     1. rank 0 pauses every engine in parallel (mode keep, `clear_cache`) and then flushes their
-       prefix caches, bounded by `flush_timeout_s`: with clear_cache=False and requests in flight
-       the frozen requests hold KV blocks and the flush cannot succeed; that is logged as a
-       warning and reported as `prefix_cache_flushed=False`, not an error;
+       prefix caches (retried up to `flush_timeout_s` with clear_cache=True, tried once without:
+       with clear_cache=False and requests in flight the frozen requests hold KV blocks and the
+       flush cannot succeed); a failed flush is logged as a warning and reported as
+       `prefix_cache_flushed=False`, not an error;
        barrier;
     2. rank 0 calls start_weight_update on every engine; barrier;
     3. every rank runs `send_weights` (pp senders move their buckets, turn by turn); barrier;
@@ -174,14 +178,16 @@ def run_sync_session(
 
     def flush() -> None:
         began = time.monotonic()
+        # After a keep pause with clear_cache=False, frozen requests hold their KV blocks until
+        # they finish: a flush that fails once cannot succeed before resume, so it is not retried
+        # (retrying cost the async loop 0.2 s per sync). With clear_cache=True the pause freed
+        # them and retries cover a scheduler that has not let go yet.
+        retry_s = flush_timeout_s if clear_cache else 0.0
 
         def flush_one(engine: Any) -> bool:
-            # False while frozen requests hold KV blocks (keep pause with clear_cache=False).
-            return bool(engine.flush_cache(timeout_s=flush_timeout_s, raise_on_timeout=False))
+            return bool(engine.flush_cache(timeout_s=retry_s, raise_on_timeout=False))
 
-        flushed = call_engines(
-            engines, "flush", flush_one, timeout_s=flush_timeout_s + call_timeout_s
-        )
+        flushed = call_engines(engines, "flush", flush_one, timeout_s=retry_s + call_timeout_s)
         report.prefix_cache_flushed = all(flushed)
         report.seconds["flush"] = time.monotonic() - began
         if not report.prefix_cache_flushed:

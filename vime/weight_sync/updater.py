@@ -31,6 +31,7 @@ from vime.megatron.converters import DecoderConverter
 from vime.megatron.gather import GatherGroups, HFWeightMeta, gather_hf_weights, hf_weight_metadata
 from vime.megatron.model import unwrap
 from vime.megatron.topology import Topology
+from vime.utils.timing import PhaseTimer
 from vime.weight_sync.buckets import (
     Bucket,
     check_against_engine,
@@ -94,6 +95,7 @@ class WeightUpdater(ABC):
         self.served_dtypes: list[dict[str, str]] = []
         self.buckets: list[Bucket] = []
         self._timeout = timedelta(seconds=config.transfer_timeout_s)
+        self._send_timer = PhaseTimer()
 
     @property
     def is_sender(self) -> bool:
@@ -194,25 +196,45 @@ class WeightUpdater(ABC):
         if self.is_sender and self.transport is None:
             raise RuntimeError("call connect() before update_weights()")
         self.weight_version += 1
+        self._send_timer.reset()
         sent: dict[str, dict[str, str]] = {}  # name -> {served dtype: digest}
         counts = {"buckets": 0, "bytes": 0}
         verify = None
         if self.config.verify_checksums:
             verify = (lambda: self._verify(sent)) if self.is_sender else (lambda: None)
-        report = run_sync_session(
-            engines=self.engines,
-            group=self.sync_group,
-            weight_version=self.weight_version,
-            send_weights=lambda: self._send_stages(sent, counts),
-            verify=verify,
-            clear_cache=self.config.clear_cache_on_pause,
-            flush_timeout_s=self.config.flush_cache_timeout_s,
-            call_timeout_s=self.config.transfer_timeout_s,
-            barrier_timeout_s=self.config.barrier_timeout_s,
-        )
+        try:
+            report = run_sync_session(
+                engines=self.engines,
+                group=self.sync_group,
+                weight_version=self.weight_version,
+                send_weights=lambda: self._send_stages(sent, counts),
+                verify=verify,
+                clear_cache=self.config.clear_cache_on_pause,
+                flush_timeout_s=self.config.flush_cache_timeout_s,
+                call_timeout_s=self.config.transfer_timeout_s,
+                barrier_timeout_s=self.config.barrier_timeout_s,
+            )
+        except WeightSyncError:
+            if self.transport is not None:
+                self.transport.discard()  # engines may still hold views of what was sent
+            raise
         report.num_buckets, report.num_bytes = counts["buckets"], counts["bytes"]
         report.verified = verify is not None
+        report.send_seconds = self._send_breakdown()
         return report
+
+    def _send_breakdown(self) -> dict[str, float]:
+        """This rank's send phase split up: gather, convert, pack, checksum, transfer.
+
+        "transfer" is the rest of the time inside the transport: moving the bytes, the engines'
+        update_weights calls (their load included) and waiting for them.
+        """
+        seconds = dict(self._send_timer.seconds)
+        inside = seconds.pop("transport", 0.0)
+        own = sum(seconds.get(k, 0.0) for k in ("gather", "convert", "pack", "checksum"))
+        if inside:
+            seconds["transfer"] = max(0.0, inside - own)
+        return seconds
 
     def _send_stages(self, sent: dict[str, dict[str, str]], counts: dict[str, int]) -> None:
         """Stages take turns; within a stage's turn all its ranks gather, its sender sends."""
@@ -239,6 +261,7 @@ class WeightUpdater(ABC):
             topology=self.topology,
             groups=self.gather_groups,
             timeout=self._timeout,
+            timer=self._send_timer,
         )
         if not self.is_sender:
             for _ in gathered:  # takes part in the stage's gathers; yields nothing here
@@ -246,21 +269,27 @@ class WeightUpdater(ABC):
             return
         assert self.transport is not None
         record = self.config.verify_checksums
+        timer = self._send_timer
 
         def fill(bucket: Bucket, buffer: torch.Tensor) -> None:
             tensors = dict(_take(gathered, bucket))
             if record:
-                for name, tensor in tensors.items():
-                    targets = {served[name] for served in self.served_dtypes}
-                    sent[name] = {
-                        target: tensor_digest(tensor.to(dtype_from_name(target)))
-                        for target in targets
-                    }
-            pack(tensors, bucket, buffer)
+                with timer.phase("checksum"):
+                    for name, tensor in tensors.items():
+                        targets = {served[name] for served in self.served_dtypes}
+                        sent[name] = {
+                            target: tensor_digest(tensor.to(dtype_from_name(target)))
+                            for target in targets
+                        }
+            with timer.phase("pack"):
+                pack(tensors, bucket, buffer)
             counts["buckets"] += 1
             counts["bytes"] += bucket.nbytes
 
-        self.transport.send_buckets(self.buckets, fill, [e.update_weights for e in self.engines])
+        with timer.phase("transport"):
+            self.transport.send_buckets(
+                self.buckets, fill, [e.update_weights for e in self.engines]
+            )
         leftover = [name for name, _ in gathered]
         assert not leftover, f"gathered tensors missing from the bucket plan: {leftover}"
 

@@ -14,23 +14,27 @@ weight-transfer engine, so importing this module is enough to register the backe
   hold several groups at once, keyed by `group_name` (one per trainer pipeline stage, each with
   that stage's sender as rank 0); each update names the group its buckets come from.
 - `shm`: the trainer writes each bucket into a POSIX shared-memory segment; the worker maps it
-  read-only and loads from the mapping without copying it first.
+  read-only, keeps the mapping for later syncs, and loads from it without copying it first.
 
 Both receive the bucket layout of `vime.weight_sync.buckets` and load through vLLM's layerwise
 reload (start/finish wrap `initialize_layerwise_reload` / `finalize_layerwise_reload`), like
 vLLM's own NCCL and IPC engines.
 
 `VimeWorkerExtension` adds methods callable through `POST /collective_rpc`:
-`vime_weight_metadata` (HF names, dtypes and shapes the engine expects, to check before sending)
-and `vime_weight_checksums` (sha256 per HF-named tensor, to check after).
+`vime_weight_metadata` (HF names, dtypes and shapes the engine expects, to check before sending),
+`vime_weight_checksums` (sha256 per HF-named tensor, to check after) and
+`vime_weight_update_stats` (where the last update's time went on the worker).
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import mmap
 import os
 import re
+import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -119,17 +123,34 @@ class ShmUpdateInfo(WeightTransferUpdateInfo):
 
 
 class _BucketEngine(WeightTransferEngine):
-    """Shared by the vime backends: layerwise reload around an update, loading from views."""
+    """Shared by the vime backends: layerwise reload around an update, loading from views.
+
+    `stats` times the last weight update on this worker, phase by phase (seconds): start,
+    receive (waiting for and mapping the bytes), load (vLLM's load_weights, including layerwise
+    processing of the layers a bucket completes), finish; and counts its buckets and bytes.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stats: dict[str, float] = {}
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        began = time.perf_counter()
         initialize_layerwise_reload(self.model)
+        self.stats = {"start": time.perf_counter() - began, "receive": 0.0, "load": 0.0}
+        self.stats.update(finish=0.0, buckets=0, bytes=0)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        began = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
+        self.stats["finish"] = time.perf_counter() - began
+
+    def _count(self, phase: str, began: float) -> None:
+        self.stats[phase] = self.stats.get(phase, 0.0) + time.perf_counter() - began
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on a CPU-only
@@ -146,8 +167,12 @@ class _BucketEngine(WeightTransferEngine):
         # Layerwise reload may keep these views until the rest of their layer arrives, possibly
         # in a later bucket: each bucket's storage must therefore stay valid and unchanged after
         # this call, which is why neither backend ever reuses a receive buffer.
+        began = time.perf_counter()
         with disable_mtp_completeness_check():
             self.model.load_weights(weights)
+        self._count("load", began)
+        self.stats["buckets"] = self.stats.get("buckets", 0) + 1
+        self.stats["bytes"] = self.stats.get("bytes", 0) + sum(t.nbytes for _, t in weights)
 
 
 class GlooWeightTransferEngine(_BucketEngine):
@@ -163,6 +188,9 @@ class GlooWeightTransferEngine(_BucketEngine):
         super().__init__(*args, **kwargs)
         # group_name -> (store, group, timeout); the store must outlive its group.
         self._groups: dict[str, tuple[dist.Store, dist.ProcessGroup, datetime.timedelta]] = {}
+        # Receive buffers by their place in a sync, kept across syncs (about one model copy).
+        self._pool: list[torch.Tensor] = []
+        self._num_received = 0
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         rank = init_info.rank_offset + worker_index(self.parallel_config)
@@ -202,17 +230,58 @@ class GlooWeightTransferEngine(_BucketEngine):
         _, group, timeout = self._groups[update_info.group_name]
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        for bucket in update_info.parsed:
-            buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
-            group.broadcast([buffer], options).wait(timeout)
-            self._load(unpack(buffer, bucket))
+        buckets = update_info.parsed
+
+        def post(position: int) -> tuple[torch.Tensor, Any]:
+            buffer = self._receive_buffer(buckets[position].nbytes)
+            return buffer, group.broadcast([buffer], options)
+
+        try:
+            pending = post(0)
+            for position, bucket in enumerate(buckets):
+                began = time.perf_counter()
+                buffer, work = pending
+                work.wait(timeout)
+                self._count("receive", began)
+                # The next bucket arrives (on gloo's threads) while this one loads.
+                pending = post(position + 1) if position + 1 < len(buckets) else None
+                self._load(unpack(buffer, bucket))
+        except BaseException:
+            self._pool.clear()
+            raise
+
+    def _receive_buffer(self, nbytes: int) -> torch.Tensor:
+        """The sync's next receive buffer, kept for the same place in later syncs.
+
+        Never reused within a sync (views may be held until finish_weight_update); reused in
+        later ones, so no page is allocated or faulted in after the first sync.
+        """
+        position = self._num_received
+        self._num_received += 1
+        if position == len(self._pool):
+            self._pool.append(torch.empty(nbytes, dtype=torch.uint8))
+        elif self._pool[position].numel() < nbytes:
+            self._pool[position] = torch.empty(nbytes, dtype=torch.uint8)
+        return self._pool[position][:nbytes]
+
+    def start_weight_update(self) -> None:
+        super().start_weight_update()
+        self._num_received = 0
 
     def shutdown(self) -> None:
         self._groups.clear()
+        self._pool.clear()
 
 
 class ShmWeightTransferEngine(_BucketEngine):
-    """Loads buckets straight from the trainer's POSIX shared-memory segments (same host)."""
+    """Loads buckets straight from the trainer's POSIX shared-memory segments (same host).
+
+    Each segment is mapped once (shared, read-only, page tables populated up front) and the
+    mapping is kept: the trainer refills the same segments sync after sync and unlinks their names
+    once acknowledged, so later syncs find them here by name. Mappings a sync did not use are
+    dropped when it finishes (the trainer made new segments), and all of them on a new
+    init_transfer_engine or after a failed update.
+    """
 
     init_info_cls = ShmInitInfo
     update_info_cls = ShmUpdateInfo
@@ -220,27 +289,66 @@ class ShmWeightTransferEngine(_BucketEngine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._shm_dir = SHM_DIR
+        self._mappings: dict[str, torch.Tensor] = {}  # segment name -> read-only mapping
+        self._used: set[str] = set()  # segment names this sync read
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
         if not os.path.isdir(init_info.shm_dir):
             raise ValueError(f"shm_dir {init_info.shm_dir!r} is not a directory on this host")
         self._shm_dir = init_info.shm_dir
+        self._mappings.clear()
+
+    def start_weight_update(self) -> None:
+        super().start_weight_update()
+        self._used = set()
+
+    def finish_weight_update(self) -> None:
+        super().finish_weight_update()
+        for name in set(self._mappings) - self._used:
+            del self._mappings[name]
+
+    def _mapping(self, name: str, nbytes: int) -> torch.Tensor:
+        mapping = self._mappings.get(name)
+        if mapping is None or mapping.numel() < nbytes:
+            path = os.path.join(self._shm_dir, name)
+            try:
+                with open(path, "rb") as segment:
+                    buffer = mmap.mmap(
+                        segment.fileno(),
+                        0,
+                        flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                        prot=mmap.PROT_READ,
+                    )
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    f"shm segment {path} does not exist and is not mapped by this worker (a "
+                    "restarted engine?): the trainer makes new segments after a failed sync"
+                ) from None
+            if len(buffer) < nbytes:
+                raise ValueError(f"shm segment {path} has {len(buffer)} bytes, need {nbytes}")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # read-only buffer: nothing here writes to it
+                mapping = torch.frombuffer(buffer, dtype=torch.uint8)
+            self._mappings[name] = mapping
+        self._used.add(name)
+        return mapping[:nbytes]
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
-        for bucket, name in zip(update_info.parsed, update_info.shm_names, strict=True):
-            path = os.path.join(self._shm_dir, name)
-            if bucket.nbytes == 0:
-                mapping = torch.empty(0, dtype=torch.uint8)
-            else:
-                # A private read mapping of the segment: no copy is made before load_weights.
-                mapping = torch.from_file(path, shared=False, size=bucket.nbytes, dtype=torch.uint8)
-            self._load(unpack(mapping, bucket))
-            # Dropping our reference closes the mapping once layerwise reload has let go of the
-            # views too; the trainer may unlink the segment as soon as this call returns.
-            del mapping
+        try:
+            for bucket, name in zip(update_info.parsed, update_info.shm_names, strict=True):
+                began = time.perf_counter()
+                if bucket.nbytes == 0:
+                    view = torch.empty(0, dtype=torch.uint8)
+                else:
+                    view = self._mapping(name, bucket.nbytes)
+                self._count("receive", began)
+                self._load(unpack(view, bucket))
+        except BaseException:
+            self._mappings.clear()
+            raise
 
     def shutdown(self) -> None:
-        pass
+        self._mappings.clear()
 
 
 def hf_named_parameters(
@@ -263,10 +371,14 @@ def hf_named_parameters(
             f"{tp_size}. Compare with POST /weight_checker instead."
         )
     packed = getattr(model, "packed_modules_mapping", {}) or {}
+    seen: set[int] = set()  # a tied lm_head shares the embedding's parameter: list it once
     for module_name, module in model.named_modules():
         leaf = module_name.rsplit(".", 1)[-1]
         parent = module_name[: -len(leaf)]
         for param_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
             full_name = f"{module_name}.{param_name}" if module_name else param_name
             tensor = _served_tensor(module, param_name, param, materialize)
             if leaf in packed and hasattr(module, "output_sizes"):
@@ -322,6 +434,11 @@ class VimeWorkerExtension:
             {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
             for name, t in hf_named_parameters(model, materialize=False)
         ]
+
+    def vime_weight_update_stats(self) -> dict[str, float]:
+        """This worker's `stats` of its last weight update (empty before the first one)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return dict(getattr(engine, "stats", {}))
 
     def vime_weight_checksums(self) -> dict[str, str]:
         """{HF name: sha256 hex of the tensor's bytes} for every weight this worker serves."""

@@ -135,6 +135,10 @@ class Transport(ABC):
             infos.append(self.send_bucket(bucket, buffer, update_calls))
         return infos
 
+    def discard(self) -> None:
+        """After a failed sync: drop any buffer an engine might still read (none by default)."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Release what the transport holds (groups, buffers, segments). Idempotent."""

@@ -61,7 +61,7 @@ class GlooTransport(Transport):
         self._group: dist.ProcessGroup | None = None
         self._unfinished: list[Any] = []  # broadcasts abandoned after an engine error
         self._broken: str | None = None  # why the group can no longer be trusted
-        self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._buffers = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]
 
     def init_infos(self, port: int) -> list[dict[str, Any]]:
         """The init_info of each engine (GlooInitInfo on the engine side)."""
@@ -121,11 +121,15 @@ class GlooTransport(Transport):
         return infos
 
     def buffer_for(self, bucket: Bucket) -> torch.Tensor:
-        # One staging buffer, reused: send_bucket returns only after the broadcast completed and
-        # every engine acknowledged, and the engines received into buffers of their own.
-        if self._buffer.numel() < bucket.nbytes:
-            self._buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
-        return self._buffer[: bucket.nbytes]
+        return self._staging(0, bucket.nbytes)
+
+    def _staging(self, slot: int, nbytes: int) -> torch.Tensor:
+        # Two staging buffers, kept across syncs: bucket i+1 is packed into one while bucket i is
+        # broadcast from the other. A slot is refilled only after its broadcast completed, and
+        # the engines receive into buffers of their own.
+        if self._buffers[slot].numel() < nbytes:
+            self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffers[slot][:nbytes]
 
     def send_bucket(
         self, bucket: Bucket, buffer: torch.Tensor, update_calls: Sequence[EngineCall]
@@ -163,18 +167,27 @@ class GlooTransport(Transport):
             for bucket, buffer in zip(buckets, buffers, strict=True):
                 _check_send_buffer(bucket, buffer)
         in_flight = InFlightCalls(update_calls, update_info, "update_weights")
+        posted: list[tuple[Any, int] | None] = [None, None]  # per staging slot: (work, bucket)
         try:
             for position, bucket in enumerate(buckets):
+                slot = position % 2
+                if posted[slot] is not None:  # the slot's previous broadcast must be done
+                    self._wait(*posted[slot], in_flight)
+                    posted[slot] = None
                 if buffers is None:
-                    buffer = self.buffer_for(bucket)
-                    fill(bucket, buffer)
+                    buffer = self._staging(slot, bucket.nbytes)
+                    fill(bucket, buffer)  # while the other slot's broadcast is in flight
                 else:
                     buffer = buffers[position]
-                self._broadcast(buffer[: bucket.nbytes], options, in_flight, bucket.index)
+                work = self._group.broadcast([buffer[: bucket.nbytes]], options)
+                posted[slot] = (work, bucket.index)
+            for pending in sorted(filter(None, posted), key=lambda p: p[1]):
+                self._wait(*pending, in_flight)
         except BaseException as exc:
             # Engines may be waiting in a broadcast we will never send, or we in one they will
             # never join: the next bucket would pair with the wrong receive.
             self._broken = f"{type(exc).__name__}: {exc}"
+            self._unfinished.extend(p[0] for p in posted if p is not None)
             in_flight.abandon()
             raise
         try:
@@ -184,34 +197,20 @@ class GlooTransport(Transport):
             raise
         return update_info
 
-    def _broadcast(
-        self,
-        buffer: torch.Tensor,
-        options: dist.BroadcastOptions,
-        in_flight: InFlightCalls,
-        bucket_index: int,
-    ) -> None:
-        """Broadcast from rank 0, failing fast if an engine rejects the update meanwhile.
+    def _wait(self, work: Any, bucket_index: int, in_flight: InFlightCalls) -> None:
+        """Wait for one broadcast, failing fast if an engine rejects the update meanwhile.
 
         An engine that answered with an error will never join this broadcast; waiting for the
         gloo timeout would only hide its error message.
         """
-        assert self._group is not None
-        work = self._group.broadcast([buffer], options)
         deadline = time.monotonic() + self.timeout_s
-        try:
-            while not work.is_completed():
-                in_flight.raise_if_failed()
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"gloo broadcast of bucket {bucket_index} not done within "
-                        f"{self.timeout_s:g} s"
-                    )
-                time.sleep(POLL_S)
-        except BaseException:
-            self._unfinished.append(work)
-            del work
-            raise
+        while not work.is_completed():
+            in_flight.raise_if_failed()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"gloo broadcast of bucket {bucket_index} not done within {self.timeout_s:g} s"
+                )
+            time.sleep(POLL_S)
         work.wait(self._timeout)  # raises the broadcast's own error, if any
 
     def close(self) -> None:

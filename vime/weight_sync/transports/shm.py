@@ -1,14 +1,23 @@
-"""Shared-memory transport: each bucket is packed straight into a fresh POSIX segment (same host).
+"""Shared-memory transport: buckets are packed into POSIX segments the engines map (same host).
 
 Needs the engines started with `--weight-transfer-config '{"backend": "shm"}'` on the trainer's
-host (see `vime.weight_sync.vllm_extension`). The trainer creates /dev/shm/NAME with mode 0600
-(same user only), packs into its mapping, posts the segment's name with the bucket description,
-and unlinks the segment once every engine's update_weights call has returned.
+host (see `vime.weight_sync.vllm_extension`). The trainer creates one segment per bucket in
+/dev/shm with mode 0600 (same user only), reserves its pages up front (a full /dev/shm is an
+error here, not a SIGBUS mid-copy), packs into its mapping and posts the segment's name with the
+bucket description. Each engine maps a segment once and keeps the mapping; once every engine has
+acknowledged a segment, the trainer unlinks its name, so nothing is left in /dev/shm if either
+side dies: the pages live exactly as long as some process maps them.
 
-Invariant: a segment is written once and never reused. After the ack an engine may still hold
-views of it (layerwise reload keeps a layer's weights until the whole layer has arrived, possibly
-from a later bucket), so refilling it would corrupt weights already "delivered". Unlinking is safe:
-the engine's mapping keeps the pages alive until it drops them.
+Segments are kept and refilled sync after sync: no page is allocated, zeroed or faulted in after
+the first sync. Invariant: a segment is refilled only in a later sync than the one that filled
+it, never within a sync. Within a sync an engine may still hold views of a bucket it has
+acknowledged (layerwise reload keeps a layer's weights until the whole layer has arrived,
+possibly from a later bucket), so every bucket of a sync has its own segment; finish_weight_update
+releases all views. After a failed sync, engines may not have let go: `discard()` (called on any
+error here, and by the updater when a session fails) drops every segment, and the next sync
+starts with fresh ones.
+
+Sending is pipelined: the trainer packs bucket i+1 while the engines load bucket i.
 """
 
 from __future__ import annotations
@@ -17,12 +26,13 @@ import logging
 import os
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vime.weight_sync.buckets import Bucket
-from vime.weight_sync.transports.base import EngineCall, InFlightCalls, Transport
+from vime.weight_sync.transports.base import EngineCall, FillBucket, InFlightCalls, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +40,15 @@ SHM_DIR = "/dev/shm"
 SEGMENT_MODE = 0o600
 
 
+@dataclass
+class _Segment:
+    name: str
+    mapping: torch.Tensor  # the trainer's shared, writable mapping of the whole segment
+    linked: bool = True  # the name still exists in shm_dir (no engine has acknowledged it yet)
+
+
 class ShmTransport(Transport):
-    """One new shared-memory segment and one update_weights request per bucket."""
+    """One reusable shared-memory segment per bucket and one update_weights request per bucket."""
 
     backend = "shm"
 
@@ -42,15 +59,30 @@ class ShmTransport(Transport):
         self.shm_dir = shm_dir
         self.prefix = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._num_segments = 0
-        self._pending: dict[int, str] = {}  # buffer data_ptr -> segment name, created not sent
+        self._segments: dict[int, _Segment] = {}  # bucket index -> its segment
 
     def connect(self, init_calls: Sequence[EngineCall]) -> list[dict[str, Any]]:
+        self.discard()  # engines that (re)join have mapped none of the old segments
         info = {"shm_dir": self.shm_dir}
         InFlightCalls(init_calls, info, "init_weight_transfer_engine").wait(self.timeout_s)
         return [info] * len(init_calls)
 
+    @property
+    def num_bytes_held(self) -> int:
+        """Bytes of shared memory the kept segments pin (about one model copy)."""
+        return sum(segment.mapping.numel() for segment in self._segments.values())
+
     def buffer_for(self, bucket: Bucket) -> torch.Tensor:
-        """A new segment's mapping, to pack into; `send_bucket` posts it and then unlinks it."""
+        """The bucket's segment (created on first use) as a writable view to pack into."""
+        segment = self._segments.get(bucket.index)
+        if segment is None or segment.mapping.numel() < bucket.nbytes:
+            if segment is not None:
+                self._drop(segment)
+            segment = self._create(bucket)
+            self._segments[bucket.index] = segment
+        return segment.mapping[: bucket.nbytes]
+
+    def _create(self, bucket: Bucket) -> _Segment:
         name = f"{self.prefix}-{self._num_segments}"
         self._num_segments += 1
         path = os.path.join(self.shm_dir, name)
@@ -58,38 +90,106 @@ class ShmTransport(Transport):
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, SEGMENT_MODE)
         try:
             os.fchmod(fd, SEGMENT_MODE)  # whatever the umask
-            os.ftruncate(fd, size)
-        finally:
+            try:
+                # Reserve every page now: writing past a full tmpfs would SIGBUS the trainer.
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                free = os.statvfs(self.shm_dir)
+                raise OSError(
+                    exc.errno,
+                    f"cannot reserve {size} bytes in {self.shm_dir} for bucket {bucket.index} "
+                    f"({free.f_bavail * free.f_frsize} bytes free; the shm transport keeps "
+                    f"about one model copy there): enlarge {self.shm_dir} or use "
+                    "weight_sync.transport=gloo",
+                ) from exc
+        except BaseException:
             os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
         mapping = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        self._pending[mapping.data_ptr()] = name
-        return mapping[: bucket.nbytes]
+        return _Segment(name, mapping)
+
+    def _segment_of(self, bucket: Bucket, buffer: torch.Tensor) -> _Segment:
+        segment = self._segments.get(bucket.index)
+        if segment is None or buffer.data_ptr() != segment.mapping.data_ptr():
+            raise ValueError(
+                f"bucket {bucket.index}: the buffer is not this transport's segment for it; "
+                f"pack into buffer_for(bucket) and send that exact tensor"
+            )
+        if buffer.numel() < bucket.nbytes:
+            raise ValueError(
+                f"bucket {bucket.index} needs {bucket.nbytes} bytes, buffer has {buffer.numel()}"
+            )
+        return segment
+
+    def _post(
+        self, bucket: Bucket, segment: _Segment, update_calls: Sequence[EngineCall]
+    ) -> tuple[dict[str, Any], InFlightCalls]:
+        update_info = {"buckets": [{**bucket.to_dict(), "shm_name": segment.name}]}
+        return update_info, InFlightCalls(update_calls, update_info, "update_weights")
+
+    def _acknowledged(self, segment: _Segment, in_flight: InFlightCalls) -> None:
+        in_flight.wait(self.timeout_s)
+        if segment.linked:
+            # Every engine has it mapped now; the name is no longer needed.
+            os.unlink(os.path.join(self.shm_dir, segment.name))
+            segment.linked = False
 
     def send_bucket(
         self, bucket: Bucket, buffer: torch.Tensor, update_calls: Sequence[EngineCall]
     ) -> dict[str, Any]:
-        name = self._pending.pop(buffer.data_ptr(), None)
-        if name is None:
-            raise ValueError(
-                f"bucket {bucket.index}: the buffer is not a pending segment of this transport; "
-                f"pack into buffer_for(bucket) and send that exact tensor once"
-            )
+        segment = self._segment_of(bucket, buffer)
         try:
-            if buffer.numel() < bucket.nbytes:
-                raise ValueError(
-                    f"bucket {bucket.index} needs {bucket.nbytes} bytes, buffer has "
-                    f"{buffer.numel()}"
-                )
-            update_info = {"buckets": [{**bucket.to_dict(), "shm_name": name}]}
-            InFlightCalls(update_calls, update_info, "update_weights").wait(self.timeout_s)
-        finally:
-            # Acknowledged (or failed): nobody will open the segment again. Engines that mapped
-            # it keep their pages until they drop their views.
-            os.unlink(os.path.join(self.shm_dir, name))
+            update_info, in_flight = self._post(bucket, segment, update_calls)
+            self._acknowledged(segment, in_flight)
+        except BaseException:
+            self.discard()
+            raise
         return update_info
 
+    def send_buckets(
+        self, buckets: Sequence[Bucket], fill: FillBucket, update_calls: Sequence[EngineCall]
+    ) -> list[dict[str, Any]]:
+        """One request per bucket; bucket i+1 is packed while the engines load bucket i."""
+        infos: list[dict[str, Any]] = []
+        previous: tuple[_Segment, InFlightCalls] | None = None
+        try:
+            for bucket in buckets:
+                buffer = self.buffer_for(bucket)
+                fill(bucket, buffer)
+                segment = self._segment_of(bucket, buffer)
+                if previous is not None:
+                    self._acknowledged(*previous)
+                    previous = None
+                update_info, in_flight = self._post(bucket, segment, update_calls)
+                previous = (segment, in_flight)
+                infos.append(update_info)
+            if previous is not None:
+                self._acknowledged(*previous)
+        except BaseException:
+            if previous is not None:
+                previous[1].abandon()
+            self.discard()
+            raise
+        return infos
+
+    def _drop(self, segment: _Segment) -> None:
+        if segment.linked:
+            try:
+                os.unlink(os.path.join(self.shm_dir, segment.name))
+            except FileNotFoundError:
+                pass
+            segment.linked = False
+
+    def discard(self) -> None:
+        """Drop every segment (unlink the names still linked); the next sync makes new ones.
+
+        Engines that still map a dropped segment keep its pages until they let go of it.
+        """
+        for segment in self._segments.values():
+            self._drop(segment)
+        self._segments.clear()
+
     def close(self) -> None:
-        """Unlink segments handed out by buffer_for but never sent."""
-        for name in self._pending.values():
-            os.unlink(os.path.join(self.shm_dir, name))
-        self._pending.clear()
+        self.discard()
