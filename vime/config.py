@@ -60,6 +60,15 @@ class EngineConfig(StrictModel):
         VIME_WORKER_EXTENSION,
         description="vLLM --worker-extension-cls; vime's registers the gloo and shm backends.",
     )
+    cpu_reuse_freed_memory: bool = Field(
+        True,
+        description=(
+            "CPU build only: run the server with glibc's malloc keeping freed memory "
+            "(GLIBC_TUNABLES mmap_max=0, trim_threshold=64 GiB), so the buffers each weight "
+            "update allocates reuse pages instead of faulting fresh ones in (0.5B fp32: engine "
+            "load 1.74 -> 1.07 s per sync). The server then keeps its peak heap."
+        ),
+    )
     extra_args: list[str] = Field(
         default_factory=list, description="Further `vllm serve` arguments, passed as they are."
     )
@@ -139,8 +148,9 @@ class WeightSyncConfig(StrictModel):
         0.2,
         gt=0,
         description=(
-            "Bound on the prefix-cache flush after the pause; failing it only warns. With "
-            "clear_cache_on_pause=False and requests in flight it cannot succeed, so keep it short."
+            "Bound on the prefix-cache flush after the pause; failing it only warns. Used only "
+            "with clear_cache_on_pause=True: without it, requests frozen in flight hold their KV "
+            "blocks until they finish, so one attempt is made and not repeated."
         ),
     )
     barrier_timeout_s: float = Field(

@@ -126,3 +126,14 @@ def test_cpu_engines_get_disjoint_cores(monkeypatch):
     assert [cpu_core_binding(rank, 2, 1) for rank in range(2)] == ["0,1", "2,3"]
     assert cpu_core_binding(1, 2, 2) == "2|3"  # one core per TP worker
     assert cpu_core_binding(0, 4, 2) is None  # too few cores to split
+
+
+def test_cpu_server_keeps_freed_memory_unless_told_not_to(monkeypatch):
+    monkeypatch.setattr("vime.rollout.server._has_cuda", lambda: False)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    _, env = build_server_command(EngineConfig(model_path="/m"), 8123)
+    tunables = env["GLIBC_TUNABLES"].split(":")
+    assert tunables[0] == "glibc.malloc.arena_max=2"  # the user's own tunables stay
+    assert "glibc.malloc.mmap_max=0" in tunables
+    _, env = build_server_command(EngineConfig(model_path="/m", cpu_reuse_freed_memory=False), 1)
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"

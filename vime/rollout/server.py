@@ -37,6 +37,11 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+# glibc malloc never returns freed memory to the kernel: no mmap'd chunks (each would be unmapped
+# on free and faulted in again on the next allocation) and no heap trimming below 64 GiB.
+REUSE_FREED_MEMORY_TUNABLES = ("glibc.malloc.mmap_max=0", "glibc.malloc.trim_threshold=68719476736")
+
+
 def cpu_core_binding(rank: int, num_engines: int, tensor_parallel_size: int) -> str | None:
     """VLLM_CPU_OMP_THREADS_BIND giving each of `num_engines` local CPU engines its own cores.
 
@@ -101,6 +106,9 @@ def build_server_command(
         binding = cpu_core_binding(rank, config.num_engines, config.tensor_parallel_size)
         if binding is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = binding
+        if config.cpu_reuse_freed_memory:
+            tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
+            env["GLIBC_TUNABLES"] = ":".join([*tunables, *REUSE_FREED_MEMORY_TUNABLES])
     env.update(config.extra_env)
     return cmd, env
 
