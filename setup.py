@@ -9,6 +9,7 @@ setup(
     python_requires=">=3.11,<3.12",
     packages=find_packages(include=["vime", "vime.*"]),
     package_data={"vime": ["data/*/*.jsonl", "data/*/*.md"]},
+    entry_points={"console_scripts": ["vime = vime.cli:main"]},
     install_requires=[
         "megatron-core==0.16.1",
         "ray[default]==2.60.*",

@@ -1,0 +1,122 @@
+"""The benchmarks run end to end on the tiny model: real vLLM CPU engines, real megatron-core.
+
+They check that every figure is produced and consistent, not how fast anything is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.distributed
+
+
+def _run(args: list[str], timeout: int) -> subprocess.CompletedProcess:
+    completed = subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ),
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
+    return completed
+
+
+def _server_pids(log_dir: Path) -> set[int]:
+    """The API server and engine-core pids each vLLM log names."""
+    pids = set()
+    for log in log_dir.glob("*.log"):
+        text = log.read_text(errors="replace")
+        pids |= {int(pid) for pid in re.findall(r"\((?:APIServer|EngineCore) pid=(\d+)\)", text)}
+    return pids
+
+
+def test_bench_sync_reports_every_method_and_phase(tmp_path):
+    out = tmp_path / "bench"
+    shm_before = set(os.listdir("/dev/shm"))
+    completed = _run(
+        [
+            "vime.bench.sync",
+            "--preset",
+            "qwen2-tiny",
+            "--dtypes",
+            "float32",
+            "--iterations",
+            "2",
+            "--bucket-mib",
+            "1",
+            "--out",
+            str(out),
+            "--model-root",
+            str(tmp_path / "models"),
+        ],
+        timeout=600,
+    )
+    assert "x floor" in completed.stdout and "float32 shm:" in completed.stdout
+    document = json.loads((out / "bench_sync.json").read_text())
+    (result,) = document["results"]
+    assert result["num_bytes"] > 0 and result["floor_s"] > 0 and result["floor_pinned_s"] > 0
+    by_method = {m["method"]: m for m in result["measurements"]}
+    assert set(by_method) == {"shm", "gloo", "naive", "disk", "control"}
+    for method in ("shm", "gloo", "naive"):
+        m = by_method[method]
+        assert len(m["iterations"]) == (2 if method != "naive" else 1)
+        for row, stats in zip(m["iterations"], m["engine_stats"], strict=True):
+            # Every byte reached the engine and was loaded, bucket by bucket.
+            assert stats["bytes"] == result["num_bytes"] and stats["load"] > 0
+            assert row["pack"] > 0 and row["load"] == stats["load"]
+            phases = sum(v for k, v in row.items() if k != "total")
+            assert phases == pytest.approx(row["total"], rel=1e-6)
+    assert by_method["shm"]["num_requests"] > 1  # 1 MiB buckets
+    assert by_method["naive"]["num_requests"] == result["num_tensors"]
+    assert by_method["gloo"]["num_requests"] == 1
+    assert {"save", "reload", "total"} <= set(by_method["disk"]["iterations"][0])
+    assert by_method["control"]["iterations"][0]["total"] > 0
+    # Shared-memory segments were unlinked once mapped; the servers are gone.
+    assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("vime-")]
+    pids = _server_pids(out / "engines")
+    assert pids, "no vLLM pids found in the engine logs"
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists(), f"vLLM process {pid} outlived the benchmark"
+
+
+def test_bench_loop_times_both_loops(tmp_path, tiny_model_dir):
+    out = tmp_path / "bench"
+    completed = _run(
+        [
+            "vime.bench.loop",
+            "--config",
+            "configs/tiny_cpu_async.yaml",
+            "--steps",
+            "4",
+            "--skip",
+            "1",
+            "--out",
+            str(out),
+            f"engine.model_path={tiny_model_dir}",
+            "model.preset=null",
+            "rollout.num_prompts_per_step=4",
+            "rollout.num_samples_per_prompt=4",
+        ],
+        timeout=600,
+    )
+    assert "async step throughput" in completed.stdout
+    document = json.loads((out / "bench_loop.json").read_text())
+    for loop in ("sync", "async"):
+        figures = document["figures"][loop]
+        assert figures["steps_timed"] == 3
+        assert 0 < figures["generate_s"] and 0 < figures["train_s"] < figures["step_s"] * 2
+        assert (out / loop / "metrics.jsonl").exists()
+    assert document["async_speedup"] == pytest.approx(
+        document["figures"]["sync"]["step_s"] / document["figures"]["async"]["step_s"]
+    )

@@ -1,0 +1,53 @@
+"""The `vime` command: `vime train`, `vime bench-sync`, `vime bench-loop` (each takes --help)."""
+
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {
+    "train": ("vime.train", "the RL job on one process (several: torchrun -m vime.train)"),
+    "bench-sync": ("vime.bench.sync", "weight-sync phases vs the memcpy floor, disk and naive"),
+    "bench-loop": ("vime.bench.loop", "step throughput of the sync vs the async RL loop"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: vime COMMAND [ARGS ...]", "", "commands:"]
+    lines += [f"  {name:<11} {text}" for name, (_, text) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        raise SystemExit(0 if argv else 2)
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"vime: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        raise SystemExit(2)
+    module_name = COMMANDS[command][0]
+    module = __import__(module_name, fromlist=["main"])
+    if command == "train":
+        _single_process_rank()
+    module.main(rest)
+
+
+def _single_process_rank() -> None:
+    """`vime train` outside torchrun: a world of one process (torchrun sets these itself)."""
+    import os
+
+    from vime.rollout.server import find_free_port
+
+    if "RANK" not in os.environ:
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(find_free_port()),
+        )
+
+
+if __name__ == "__main__":
+    main()
