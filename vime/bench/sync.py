@@ -15,9 +15,9 @@ trainer rank(s), and then measures, for the same bytes:
 - disk:    pause, save safetensors, vLLM `reload_weights` from that directory, resume;
 - control: a session that moves no bytes: every HTTP round trip and barrier of one sync.
 
-Prints a table (mean seconds per phase) and writes every figure, iteration by iteration, to
-`--out`/bench_sync.json. Each iteration flips the sign of every weight first, so every sync moves
-new bytes.
+Prints a table (seconds per phase of the median sync) and writes every figure, iteration by
+iteration, to `--out`/bench_sync.json. Each iteration flips the sign of every weight first, so
+every sync moves new bytes.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ import logging
 import os
 import platform
 import shutil
-import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -45,7 +46,9 @@ logger = logging.getLogger("vime.bench")
 _ALL_CORES = frozenset(os.sched_getaffinity(0))
 
 TRANSPORT_MODE = {"shm": "tensor", "gloo": "distributed"}
-# The columns of a sync, in order; together they cover pause -> resume.
+# The columns of a sync, in order; with "other" (barriers, bookkeeping) they add up to the total
+# from pause to resume. "wait" is the trainer waiting for the bytes to move and the engines to load
+# them, beyond the packing it overlaps with.
 SYNC_PHASES = (
     "pause",
     "flush",
@@ -53,11 +56,12 @@ SYNC_PHASES = (
     "gather",
     "convert",
     "pack",
-    "transfer",
-    "load",
+    "wait",
     "finish",
     "resume",
 )
+# Measured inside the engine (vime_weight_update_stats); they overlap the trainer's columns.
+ENGINE_PHASES = ("engine_receive", "engine_load")
 DISK_PHASES = ("pause", "flush", "gather", "save", "reload", "resume")
 
 
@@ -71,11 +75,21 @@ class Measurement:
     iterations: list[dict[str, float]] = field(default_factory=list)
     engine_stats: list[dict[str, float]] = field(default_factory=list)
     num_requests: int = 0  # update_weights requests per sync
+    engine_rss_gib: list[float] = field(default_factory=list)  # after each sync, warm-up included
+    warmup_totals: list[float] = field(default_factory=list)  # seconds of the untimed syncs
 
     def mean(self) -> dict[str, float]:
         keys = {key for iteration in self.iterations for key in iteration}
         count = max(len(self.iterations), 1)
         return {k: sum(it.get(k, 0.0) for it in self.iterations) / count for k in sorted(keys)}
+
+    def typical(self) -> dict[str, float]:
+        """The phases of the iteration with the median total: one real sync, robust to a hiccup
+        of the machine (the table shows it; the JSON keeps every iteration and the means)."""
+        if not self.iterations:
+            return {}
+        ranked = sorted(self.iterations, key=lambda it: it.get("total", 0.0))
+        return dict(ranked[(len(ranked) - 1) // 2])
 
 
 @dataclass
@@ -151,60 +165,51 @@ def unpin() -> None:
     torch.set_num_threads(len(_ALL_CORES))
 
 
-def launch_engines(
-    model_dir: Path,
-    dtype: str,
-    transports: list[str],
-    log_dir: Path,
-    extra_env: dict[str, str] | None = None,
-) -> dict[str, Any]:
-    """One VLLMEngine per transport, started concurrently, each bound to its own cores."""
+@contextmanager
+def running_engine(
+    args: argparse.Namespace, model_dir: Path, dtype: str, transport: str
+) -> Iterator[Any]:
+    """One vLLM engine serving `transport`'s backend, launched by rank 0 and ended on exit.
+
+    Engines run one at a time: two 0.5B fp32 engines next to the trainer do not fit in 24 GiB.
+    They start unpinned (they inherit this process's affinity) on the cores the trainer leaves.
+    """
     from vime.config import EngineConfig
     from vime.rollout.vllm_engine import VLLMEngine
 
-    engines = {}
-    for rank, transport in enumerate(transports):
-        config = EngineConfig(
-            model_path=str(model_dir),
-            dtype=dtype,
-            max_model_len=512,
-            max_num_seqs=8,
-            weight_transfer_backend=transport,
-            request_timeout_s=900,
-            startup_timeout_s=900,
-            extra_env={**engine_cpu_binding(), **(extra_env or {})},
-        )
-        engines[transport] = VLLMEngine(config, rank=rank, log_dir=str(log_dir))
-    errors: list[BaseException] = []
-
-    def start(engine: Any) -> None:
-        try:
+    rank = dist.get_rank()
+    config = EngineConfig(
+        model_path=str(model_dir),
+        dtype=dtype,
+        max_model_len=512,
+        max_num_seqs=8,
+        weight_transfer_backend=transport,
+        request_timeout_s=900,
+        startup_timeout_s=900,
+        extra_env={**engine_cpu_binding(), **parse_env(args.engine_env)},
+        cpu_reuse_freed_memory=args.engine_malloc == "reuse",
+    )
+    engine = None
+    url: list[str | None] = [None]
+    unpin()
+    try:
+        if rank == 0:
+            log_dir = Path(args.out) / "engines" / f"{dtype}-{transport}"
+            engine = VLLMEngine(config, log_dir=str(log_dir))
+            try:
+                url[0] = engine.init()
+            finally:
+                dist.broadcast_object_list(url, src=0)  # None tells the others it failed
+        else:
+            dist.broadcast_object_list(url, src=0)
+            if url[0] is None:
+                raise RuntimeError(f"rank 0 could not start the {transport} engine")
+            engine = VLLMEngine(config, url=url[0])
             engine.init()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(e,)) for e in engines.values()]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        for engine in engines.values():
+        yield engine
+    finally:
+        if rank == 0 and engine is not None:
             engine.shutdown()
-        raise errors[0]
-    return engines
-
-
-def attach_engines(urls: dict[str, str], dtype: str, model_dir: Path) -> dict[str, Any]:
-    from vime.config import EngineConfig
-    from vime.rollout.vllm_engine import VLLMEngine
-
-    engines = {}
-    for transport, url in urls.items():
-        config = EngineConfig(model_path=str(model_dir), dtype=dtype, request_timeout_s=900)
-        engines[transport] = VLLMEngine(config, url=url)
-        engines[transport].init()
-    return engines
 
 
 # ---- the trainer side ------------------------------------------------------------------------
@@ -274,9 +279,8 @@ def build_trainer(model_dir: Path, dtype: str, topology: Any, sync_group: Any) -
 
 
 def sync_phases(report: Any, engine_stats: dict[str, float]) -> dict[str, float]:
-    """A SyncReport as the table's columns; "transfer" excludes the engine's load."""
+    """A SyncReport as the table's columns, plus the engine's own receive and load times."""
     send = report.send_seconds
-    load = float(engine_stats.get("load", 0.0))
     row = {
         "pause": report.seconds.get("pause", 0.0),
         "flush": report.seconds.get("flush", 0.0),
@@ -284,14 +288,36 @@ def sync_phases(report: Any, engine_stats: dict[str, float]) -> dict[str, float]
         "gather": send.get("gather", 0.0),
         "convert": send.get("convert", 0.0),
         "pack": send.get("pack", 0.0),
-        "transfer": max(0.0, send.get("transfer", 0.0) - load),
-        "load": load,
+        "wait": send.get("transfer", 0.0),
         "finish": report.seconds.get("finish", 0.0),
         "resume": report.seconds.get("resume", 0.0),
     }
-    row["other"] = max(0.0, report.total_s - sum(row.values()))  # barriers, bookkeeping
+    row["other"] = max(0.0, report.total_s - sum(row.values()))
     row["total"] = report.total_s
+    row["engine_receive"] = float(engine_stats.get("receive", 0.0))
+    row["engine_load"] = float(engine_stats.get("load", 0.0))
     return row
+
+
+def engine_rss_gib(engine: Any) -> float:
+    """Resident memory of a launched server's whole process tree (GiB); 0 for an external one."""
+    import psutil
+
+    pid = engine.server_pid()
+    if pid is None:
+        return 0.0
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0
+    for process in processes:
+        try:
+            total += process.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total / 1024**3
 
 
 def bench_updater(
@@ -303,20 +329,35 @@ def bench_updater(
     dtype: str,
     num_bytes: int,
     iterations: int,
-    warmup: int = 1,
+    warmup: int,
 ) -> Measurement:
-    """`warmup` + `iterations` syncs; the warm-up ones are not recorded."""
+    """`warmup` + `iterations` syncs; only the last `iterations` are in the table.
+
+    The first syncs are slower: segments and receive buffers are created, and the engine's heap
+    grows to its steady size (engine.cpu_reuse_freed_memory); an RL run does thousands of syncs.
+    """
     measurement = Measurement(method, dtype, num_bytes, num_requests=len(updater.buckets))
     is_rank0 = dist.get_rank(trainer.sync_group) == 0
     for index in range(warmup + iterations):
         trainer.flip_weights()
         report = updater.update_weights()
         stats = engine.collective_rpc("vime_weight_update_stats")[0] if is_rank0 else {}
+        if is_rank0:
+            measurement.engine_rss_gib.append(engine_rss_gib(engine))
         if index >= warmup:
             measurement.iterations.append(sync_phases(report, stats))
             measurement.engine_stats.append(stats)
+        else:
+            measurement.warmup_totals.append(report.total_s)
         if is_rank0:
-            logger.info("%s %s sync %d: %.3f s", method, dtype, index, report.total_s)
+            logger.info(
+                "%s %s sync %d: %.3f s, engine RSS %.2f GiB",
+                method,
+                dtype,
+                index,
+                report.total_s,
+                measurement.engine_rss_gib[-1],
+            )
     if method == "gloo":  # the whole stage goes in one request, bucket after bucket
         measurement.num_requests = 1
     return measurement
@@ -349,17 +390,20 @@ def bench_disk(
 ) -> Measurement:
     """Pause, save the gathered HF tensors as safetensors, reload_weights from there, resume.
 
-    The file is written without fsync, so vLLM reads it back from the page cache: the most
-    favourable case for the disk path.
+    The file is written without fsync, so vLLM reads it back from the page cache, and the first
+    (cold) save is not timed: the most favourable case for the disk path.
     """
     measurement = Measurement("disk", dtype, num_bytes, num_requests=1)
-    for _ in range(iterations):
+    for index in range(1 + iterations):  # the first writes a new file: not timed
         trainer.flip_weights()
         began = time.perf_counter()
         timer = PhaseTimer()
         _disk_sync(trainer, engine, ckpt_dir, timer)
         row = {**timer.seconds, "total": time.perf_counter() - began}
-        measurement.iterations.append(row)
+        if index:
+            measurement.iterations.append(row)
+        else:
+            measurement.warmup_totals.append(row["total"])
         if dist.get_rank(trainer.sync_group) == 0:
             logger.info("disk %s: %.3f s", dtype, row["total"])
     shutil.rmtree(ckpt_dir, ignore_errors=True)
@@ -412,103 +456,111 @@ def bench_dtype(args: argparse.Namespace, dtype: str, topology: Any, sync_group:
     from vime.megatron.model import unwrap
 
     rank = dist.get_rank()
-    out = Path(args.out)
     model_dir = Path(args.model_root) / f"bench-{args.preset}-{dtype}"
-    engines: dict[str, Any] = {}
-    transports = list(args.transports)
-    unpin()
     if rank == 0:
         from vime.testing.tiny_model import build_tiny_model
 
         build_tiny_model(model_dir, args.preset, dtype)
-        engines = launch_engines(
-            model_dir, dtype, transports, out / "engines", parse_env(args.engine_env)
-        )
-    urls = [{t: e.url for t, e in engines.items()}]
-    dist.broadcast_object_list(urls, src=0)
-    try:
-        if rank != 0:
-            engines = attach_engines(urls[0], dtype, model_dir)
-        trainer = build_trainer(model_dir, dtype, topology, sync_group)
-        metadata = hf_weight_metadata(trainer.converter, unwrap(trainer.model).config)
-        num_bytes = sum(m.dtype.itemsize * _numel(m.shape) for m in metadata)
-        floor_s = floor_pinned_s = 0.0
-        if rank == 0:
-            # The machine's floor: every core copying. Then the trainer's: its pinned core(s).
-            floor_s = memcpy_floor(num_bytes)
-        cores = pin_trainer()
-        if rank == 0:
-            floor_pinned_s = memcpy_floor(num_bytes)
-            logger.info(
-                "memcpy floor: %.3f s on all cores, %.3f s on the trainer's %s",
-                floor_s,
-                floor_pinned_s,
-                cores,
-            )
-        measurements = []
-        version = 0
-        bucket_bytes = args.bucket_mib * 1024**2
-        for transport in transports:
-            updater = trainer.updater(transport, engines[transport], bucket_bytes, version)
+    dist.barrier()
+    unpin()
+    trainer = build_trainer(model_dir, dtype, topology, sync_group)
+    metadata = hf_weight_metadata(trainer.converter, unwrap(trainer.model).config)
+    num_bytes = sum(m.dtype.itemsize * _numel(m.shape) for m in metadata)
+    # The machine's floor: every core copying; then the trainer's, on its pinned core(s).
+    floor_s = memcpy_floor(num_bytes) if rank == 0 else 0.0
+    cores = pin_trainer()
+    floor_pinned_s = memcpy_floor(num_bytes) if rank == 0 else 0.0
+    logger.info(
+        "memcpy floor: %.3f s on all cores, %.3f s on the trainer's %s",
+        floor_s,
+        floor_pinned_s,
+        cores,
+    )
+    measurements: list[Measurement] = []
+    startup: dict[str, float] = {}
+    version = 0
+    bucket_bytes = args.bucket_mib * 1024**2
+    for position, transport in enumerate(args.transports):
+        with running_engine(args, model_dir, dtype, transport) as engine:
+            pin_trainer()
+            startup[transport] = engine.startup_s or 0.0
+            updater = trainer.updater(transport, engine, bucket_bytes, version)
             measurements.append(
                 bench_updater(
                     transport,
                     trainer,
                     updater,
-                    engines[transport],
+                    engine,
                     dtype=dtype,
                     num_bytes=num_bytes,
                     iterations=args.iterations,
+                    warmup=args.warmup,
                 )
             )
             version = updater.weight_version
             updater.close()
-        baseline_engine = engines[transports[0]]
-        if "naive" in args.baselines and "shm" in engines:
-            updater = trainer.updater("shm", engines["shm"], 1, version)
-            measurements.append(
-                bench_updater(
-                    "naive",
-                    trainer,
-                    updater,
-                    engines["shm"],
-                    dtype=dtype,
-                    num_bytes=num_bytes,
-                    iterations=1,
-                    warmup=0,
+            if position == 0:  # the baselines run on the first engine
+                version, baselines = bench_baselines(
+                    args, trainer, engine, transport, dtype, num_bytes, version
                 )
-            )
-            version = updater.weight_version
-            updater.close()
-        if "disk" in args.baselines:
-            measurements.append(
-                bench_disk(
-                    trainer,
-                    baseline_engine,
-                    dtype=dtype,
-                    num_bytes=num_bytes,
-                    ckpt_dir=out / f"disk-{dtype}",
-                    iterations=max(1, min(args.iterations, 2)),
-                )
-            )
-        measurements.append(
-            bench_control(
-                trainer, baseline_engine, dtype=dtype, iterations=args.iterations, version=version
-            )
-        )
-    finally:
-        if rank == 0:
-            for engine in engines.values():
-                engine.shutdown()
+                measurements.extend(baselines)
     return DtypeResult(
         dtype=dtype,
         num_tensors=len(metadata),
         num_bytes=num_bytes,
         floor_s=floor_s,
         floor_pinned_s=floor_pinned_s,
-        engine_startup_s={t: e.startup_s or 0.0 for t, e in engines.items()},
+        engine_startup_s=startup,
         measurements=measurements,
     )
+
+
+def bench_baselines(
+    args: argparse.Namespace,
+    trainer: Trainer,
+    engine: Any,
+    transport: str,
+    dtype: str,
+    num_bytes: int,
+    version: int,
+) -> tuple[int, list[Measurement]]:
+    """naive (shm engines only), disk and control on `engine`; also the engine's version after."""
+    measurements = []
+    if "naive" in args.baselines and transport == "shm":
+        updater = trainer.updater("shm", engine, 1, version)  # 1 byte cap: a bucket per tensor
+        measurements.append(
+            bench_updater(
+                "naive",
+                trainer,
+                updater,
+                engine,
+                dtype=dtype,
+                num_bytes=num_bytes,
+                iterations=1,
+                warmup=args.warmup,
+            )
+        )
+        version = updater.weight_version
+        updater.close()
+    elif "naive" in args.baselines:
+        logger.warning(
+            "naive baseline skipped: it runs over shm; the first transport is %s", transport
+        )
+    if "disk" in args.baselines:
+        measurements.append(
+            bench_disk(
+                trainer,
+                engine,
+                dtype=dtype,
+                num_bytes=num_bytes,
+                ckpt_dir=Path(args.out) / f"disk-{dtype}",
+                iterations=max(1, min(args.iterations, 2)),
+            )
+        )
+    measurements.append(
+        bench_control(trainer, engine, dtype=dtype, iterations=args.iterations, version=version)
+    )
+    return version + args.iterations + 1, measurements
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -522,9 +574,11 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def format_table(results: list[DtypeResult]) -> str:
-    """The screen table: mean seconds per phase, total pause -> resume, GB/s, x floor."""
-    columns = [*SYNC_PHASES, "save", "reload"]
-    header = ["dtype", "method", "req", *columns, "total", "GB/s", "x floor"]
+    """The screen table: seconds per phase of the median sync, pause -> resume, GB/s, x floor."""
+    columns = [*SYNC_PHASES, "other", "save", "reload", *ENGINE_PHASES]
+    names = {"engine_receive": "eng.recv", "engine_load": "eng.load"}
+    header = ["dtype", "method", "req", *(names.get(c, c) for c in columns)]
+    header += ["total", "GB/s", "x floor"]
     rows = []
     for result in results:
         floors = [
@@ -538,9 +592,9 @@ def format_table(results: list[DtypeResult]) -> str:
                 + [f"{seconds / result.floor_s:.1f}"]
             )
         for m in result.measurements:
-            mean = m.mean()
-            total = mean.get("total", 0.0)
-            cells = [f"{mean[c]:.3f}" if c in mean else "" for c in columns]
+            typical = m.typical()
+            total = typical.get("total", 0.0)
+            cells = [f"{typical[c]:.3f}" if c in typical else "" for c in columns]
             gbps = f"{m.num_bytes / total / 1e9:.2f}" if m.num_bytes and total else ""
             ratio = f"{total / result.floor_s:.1f}" if m.num_bytes and result.floor_s else ""
             rows.append(
@@ -560,17 +614,26 @@ def summarize(results: list[DtypeResult]) -> list[str]:
     """The issue's ratios, each one line."""
     lines = []
     for result in results:
-        by_method = {m.method: m.mean().get("total", 0.0) for m in result.measurements}
-        disk = by_method.get("disk")
+        means = {m.method: m.typical() for m in result.measurements}
+        by_method = {method: mean.get("total", 0.0) for method, mean in means.items()}
         for method in ("shm", "gloo"):
             if method not in by_method:
                 continue
             total = by_method[method]
-            line = f"{result.dtype} {method}: {total / result.floor_s:.1f}x the memcpy floor"
-            if disk:
-                line += f", {disk / total:.1f}x faster than disk"
-            if "naive" in by_method:
-                line += f", {by_method['naive'] / total:.1f}x faster than naive"
+            line = (
+                f"{result.dtype} {method}: {total:.3f} s = {total / result.floor_s:.1f}x the "
+                f"memcpy floor"
+            )
+            load = means[method].get("engine_load", 0.0)
+            if load:
+                rest = total - load
+                line += (
+                    f" ({rest:.3f} s = {rest / result.floor_s:.1f}x without the engine's own "
+                    f"load_weights, {load:.3f} s)"
+                )
+            for baseline in ("disk", "naive"):
+                if baseline in by_method:
+                    line += f"; {baseline} takes {by_method[baseline] / total:.1f}x as long"
             lines.append(line)
         if "control" in by_method:
             lines.append(
@@ -607,17 +670,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--baselines", nargs="*", default=["disk", "naive"], choices=["disk", "naive"]
     )
-    parser.add_argument("--iterations", type=int, default=3, help="timed syncs per method")
+    parser.add_argument("--iterations", type=int, default=5, help="timed syncs per method")
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="untimed syncs first (the heap reaches steady size)"
+    )
     parser.add_argument("--bucket-mib", type=int, default=512, help="bucket cap in MiB")
     parser.add_argument("--tp", type=int, default=1, help="trainer tensor-parallel size")
     parser.add_argument(
         "--engine-env", nargs="*", default=[], help="KEY=VALUE environment for the vLLM servers"
     )
+    parser.add_argument(
+        "--engine-malloc",
+        choices=["reuse", "default"],
+        default="reuse",
+        help="engine.cpu_reuse_freed_memory on (reuse) or off (glibc's default)",
+    )
     parser.add_argument("--out", default="runs/bench-sync", help="JSON, engine logs, disk files")
     parser.add_argument("--model-root", default="models", help="where checkpoints are built")
     args = parser.parse_args(argv)
-    if args.iterations < 1:
-        parser.error(f"--iterations must be >= 1, got {args.iterations}")
+    if args.iterations < 1 or args.warmup < 0:
+        parser.error(
+            f"need --iterations >= 1 and --warmup >= 0, got {args.iterations}, {args.warmup}"
+        )
     if args.bucket_mib < 1:
         parser.error(f"--bucket-mib must be >= 1, got {args.bucket_mib}")
     return args
@@ -666,14 +740,22 @@ def report(args: argparse.Namespace, results: list[DtypeResult]) -> None:
         "bucket_mib": args.bucket_mib,
         "tp": args.tp,
         "results": [
-            {**asdict(r), "means": {m.method: m.mean() for m in r.measurements}} for r in results
+            {
+                **asdict(r),
+                "means": {m.method: m.mean() for m in r.measurements},
+                "medians": {m.method: m.typical() for m in r.measurements},
+            }
+            for r in results
         ],
         "summary": summarize(results),
     }
     path = out / "bench_sync.json"
     path.write_text(json.dumps(document, indent=2))
     model_gb = ", ".join(f"{r.dtype} {r.num_bytes / 1e9:.2f} GB" for r in results)
-    print(f"\nvime bench-sync: {args.preset} ({model_gb}), seconds (mean of {args.iterations})")
+    print(
+        f"\nvime bench-sync: {args.preset} ({model_gb}), seconds, the median of "
+        f"{args.iterations} syncs after {args.warmup} warm-up ones"
+    )
     print(format_table(results))
     print("\n".join(["", *document["summary"], f"figures: {path}"]))
 
