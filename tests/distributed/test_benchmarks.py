@@ -35,7 +35,7 @@ def _run(args: list[str], timeout: int) -> subprocess.CompletedProcess:
 def _server_pids(log_dir: Path) -> set[int]:
     """The API server and engine-core pids each vLLM log names."""
     pids = set()
-    for log in log_dir.glob("*.log"):
+    for log in log_dir.rglob("*.log"):
         text = log.read_text(errors="replace")
         pids |= {int(pid) for pid in re.findall(r"\((?:APIServer|EngineCore) pid=(\d+)\)", text)}
     return pids
