@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -152,27 +152,19 @@ class WeightUpdater(ABC):
     def connect(self) -> None:
         """Check the engines, plan this stage's buckets and join the engines, stage by stage."""
         self.check_engines()
-        for stage in range(self.topology.pp_size):
-            error: Exception | None = None
-            if self.is_sender and self.topology.pp_rank == stage:
-                try:
-                    self.transport = self.make_transport()
-                    self.buckets = plan_buckets(
-                        [(m.name, m.dtype, m.shape) for m in self.stage_metadata],
-                        self.config.update_weight_buffer_size,
-                        alignment=self.transport.alignment,
-                    )
-                    self.transport.connect([e.init_weight_transfer_engine for e in self.engines])
-                except Exception as exc:
-                    error = exc
-            checked_barrier(
-                self.sync_group,
-                f"connect (pp stage {stage})",
-                error is not None,
-                self.config.barrier_timeout_s,
+
+        def join() -> None:
+            if not self.is_sender:
+                return
+            self.transport = self.make_transport()
+            self.buckets = plan_buckets(
+                [(m.name, m.dtype, m.shape) for m in self.stage_metadata],
+                self.config.update_weight_buffer_size,
+                alignment=self.transport.alignment,
             )
-            if error is not None:
-                raise error
+            self.transport.connect([e.init_weight_transfer_engine for e in self.engines])
+
+        self._stage_by_stage("connect", join)
         logger.info(
             "weight sync (%s, %s) connected to %d engines%s",
             self.mode,
@@ -238,16 +230,21 @@ class WeightUpdater(ABC):
 
     def _send_stages(self, sent: dict[str, dict[str, str]], counts: dict[str, int]) -> None:
         """Stages take turns; within a stage's turn all its ranks gather, its sender sends."""
+        self._stage_by_stage("send", lambda: self._send_stage(sent, counts))
+
+    def _stage_by_stage(self, phase: str, step: Callable[[], None]) -> None:
+        """Pipeline stages take turns at `step`: stage k's ranks run it, then every rank meets at
+        a checked barrier, so a failure on any rank stops all ranks before the next stage."""
         for stage in range(self.topology.pp_size):
             error: Exception | None = None
             if self.topology.pp_rank == stage:
                 try:
-                    self._send_stage(sent, counts)
+                    step()
                 except Exception as exc:
                     error = exc
             checked_barrier(
                 self.sync_group,
-                f"send (pp stage {stage})",
+                f"{phase} (pp stage {stage})",
                 error is not None,
                 self.config.barrier_timeout_s,
             )

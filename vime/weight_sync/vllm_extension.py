@@ -139,8 +139,8 @@ class _BucketEngine(WeightTransferEngine):
 
         began = time.perf_counter()
         initialize_layerwise_reload(self.model)
-        self.stats = {"start": time.perf_counter() - began, "receive": 0.0, "load": 0.0}
-        self.stats.update(finish=0.0, buckets=0, bytes=0)
+        started = time.perf_counter() - began
+        self.stats = dict(start=started, receive=0.0, load=0.0, finish=0.0, buckets=0, bytes=0)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -150,7 +150,7 @@ class _BucketEngine(WeightTransferEngine):
         self.stats["finish"] = time.perf_counter() - began
 
     def _count(self, phase: str, began: float) -> None:
-        self.stats[phase] = self.stats.get(phase, 0.0) + time.perf_counter() - began
+        self.stats[phase] += time.perf_counter() - began
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on a CPU-only
@@ -165,14 +165,14 @@ class _BucketEngine(WeightTransferEngine):
         )
 
         # Layerwise reload may keep these views until the rest of their layer arrives, possibly
-        # in a later bucket: each bucket's storage must therefore stay valid and unchanged after
-        # this call, which is why neither backend ever reuses a receive buffer.
+        # in a later bucket: each bucket's storage must therefore stay valid and unchanged until
+        # finish_weight_update, which is why both backends reuse a buffer only in a later sync.
         began = time.perf_counter()
         with disable_mtp_completeness_check():
             self.model.load_weights(weights)
         self._count("load", began)
-        self.stats["buckets"] = self.stats.get("buckets", 0) + 1
-        self.stats["bytes"] = self.stats.get("bytes", 0) + sum(t.nbytes for _, t in weights)
+        self.stats["buckets"] += 1
+        self.stats["bytes"] += sum(t.nbytes for _, t in weights)
 
 
 class GlooWeightTransferEngine(_BucketEngine):

@@ -74,13 +74,16 @@ class ShmTransport(Transport):
 
     def buffer_for(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's segment (created on first use) as a writable view to pack into."""
+        return self._segment_for(bucket).mapping[: bucket.nbytes]
+
+    def _segment_for(self, bucket: Bucket) -> _Segment:
         segment = self._segments.get(bucket.index)
         if segment is None or segment.mapping.numel() < bucket.nbytes:
             if segment is not None:
-                self._drop(segment)
+                self._unlink(segment)
             segment = self._create(bucket)
             self._segments[bucket.index] = segment
-        return segment.mapping[: bucket.nbytes]
+        return segment
 
     def _create(self, bucket: Bucket) -> _Segment:
         name = f"{self.prefix}-{self._num_segments}"
@@ -131,10 +134,7 @@ class ShmTransport(Transport):
 
     def _acknowledged(self, segment: _Segment, in_flight: InFlightCalls) -> None:
         in_flight.wait(self.timeout_s)
-        if segment.linked:
-            # Every engine has it mapped now; the name is no longer needed.
-            os.unlink(os.path.join(self.shm_dir, segment.name))
-            segment.linked = False
+        self._unlink(segment)  # every engine has it mapped now; the name is no longer needed
 
     def send_bucket(
         self, bucket: Bucket, buffer: torch.Tensor, update_calls: Sequence[EngineCall]
@@ -156,9 +156,8 @@ class ShmTransport(Transport):
         previous: tuple[_Segment, InFlightCalls] | None = None
         try:
             for bucket in buckets:
-                buffer = self.buffer_for(bucket)
-                fill(bucket, buffer)
-                segment = self._segment_of(bucket, buffer)
+                segment = self._segment_for(bucket)
+                fill(bucket, segment.mapping[: bucket.nbytes])
                 if previous is not None:
                     self._acknowledged(*previous)
                     previous = None
@@ -174,7 +173,8 @@ class ShmTransport(Transport):
             raise
         return infos
 
-    def _drop(self, segment: _Segment) -> None:
+    def _unlink(self, segment: _Segment) -> None:
+        """Remove the segment's name (if still there); mappings keep its pages alive."""
         if segment.linked:
             try:
                 os.unlink(os.path.join(self.shm_dir, segment.name))
@@ -188,7 +188,7 @@ class ShmTransport(Transport):
         Engines that still map a dropped segment keep its pages until they let go of it.
         """
         for segment in self._segments.values():
-            self._drop(segment)
+            self._unlink(segment)
         self._segments.clear()
 
     def close(self) -> None:
