@@ -29,24 +29,10 @@ def main(argv: list[str] | None = None) -> None:
     module_name = COMMANDS[command][0]
     module = __import__(module_name, fromlist=["main"])
     if command == "train":
-        _single_process_rank()
+        from vime.utils.dist_env import default_to_single_process
+
+        default_to_single_process()  # `vime train` outside torchrun: a world of one process
     module.main(rest)
-
-
-def _single_process_rank() -> None:
-    """`vime train` outside torchrun: a world of one process (torchrun sets these itself)."""
-    import os
-
-    from vime.rollout.server import find_free_port
-
-    if "RANK" not in os.environ:
-        os.environ.update(
-            RANK="0",
-            LOCAL_RANK="0",
-            WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(find_free_port()),
-        )
 
 
 if __name__ == "__main__":

@@ -25,9 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import platform
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vime.utils.dist_env import default_to_single_process
 from vime.utils.timing import PhaseTimer
 
 logger = logging.getLogger("vime.bench")
@@ -62,7 +65,6 @@ SYNC_PHASES = (
 )
 # Measured inside the engine (vime_weight_update_stats); they overlap the trainer's columns.
 ENGINE_PHASES = ("engine_receive", "engine_load")
-DISK_PHASES = ("pause", "flush", "gather", "save", "reload", "resume")
 
 
 @dataclass
@@ -465,7 +467,7 @@ def bench_dtype(args: argparse.Namespace, dtype: str, topology: Any, sync_group:
     unpin()
     trainer = build_trainer(model_dir, dtype, topology, sync_group)
     metadata = hf_weight_metadata(trainer.converter, unwrap(trainer.model).config)
-    num_bytes = sum(m.dtype.itemsize * _numel(m.shape) for m in metadata)
+    num_bytes = sum(m.dtype.itemsize * math.prod(m.shape) for m in metadata)
     # The machine's floor: every core copying; then the trainer's, on its pinned core(s).
     floor_s = memcpy_floor(num_bytes) if rank == 0 else 0.0
     cores = pin_trainer()
@@ -563,13 +565,6 @@ def bench_baselines(
     return version + args.iterations + 1, measurements
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
-
-
 # ---- the report --------------------------------------------------------------------------------
 
 
@@ -647,12 +642,7 @@ def summarize(results: list[DtypeResult]) -> list[str]:
 
 def _init_distributed() -> None:
     """torchrun's environment, or a one-rank gloo world of our own."""
-    if "RANK" not in os.environ:
-        from vime.rollout.server import find_free_port
-
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()), RANK="0", WORLD_SIZE="1"
-        )
+    default_to_single_process()
     dist.init_process_group("gloo", timeout=timedelta(minutes=15))
 
 
@@ -700,6 +690,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[DtypeResult]:
     from vime.megatron.model import initialize_model_parallel
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
@@ -717,13 +708,13 @@ def main(argv: list[str] | None = None) -> list[DtypeResult]:
         sync_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=15))
         results = [bench_dtype(args, dtype, topology, sync_group) for dtype in args.dtypes]
         if dist.get_rank() == 0:
-            report(args, results)
+            report(args, argv, results)
         return results
     finally:
         dist.destroy_process_group()
 
 
-def report(args: argparse.Namespace, results: list[DtypeResult]) -> None:
+def report(args: argparse.Namespace, argv: list[str], results: list[DtypeResult]) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     machine = {
@@ -734,7 +725,7 @@ def report(args: argparse.Namespace, results: list[DtypeResult]) -> None:
         "torch": torch.__version__,
     }
     document = {
-        "command": "vime bench-sync " + " ".join(_argv_of(args)),
+        "command": "vime bench-sync " + " ".join(argv),
         "machine": machine,
         "preset": args.preset,
         "bucket_mib": args.bucket_mib,
@@ -758,14 +749,6 @@ def report(args: argparse.Namespace, results: list[DtypeResult]) -> None:
     )
     print(format_table(results))
     print("\n".join(["", *document["summary"], f"figures: {path}"]))
-
-
-def _argv_of(args: argparse.Namespace) -> list[str]:
-    argv = []
-    for key, value in vars(args).items():
-        flag = "--" + key.replace("_", "-")
-        argv += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
-    return argv
 
 
 if __name__ == "__main__":
