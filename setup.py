@@ -8,7 +8,7 @@ setup(
     description=__doc__,
     python_requires=">=3.11,<3.12",
     packages=find_packages(include=["vime", "vime.*"]),
-    package_data={"vime": ["data/*/*.jsonl", "data/*/*.md"]},
+    package_data={"vime": ["data/*/*.jsonl", "data/*/*.md", "cluster/*.tmpl"]},
     entry_points={"console_scripts": ["vime = vime.cli:main"]},
     install_requires=[
         "megatron-core==0.16.1",

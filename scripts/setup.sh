@@ -15,6 +15,22 @@ if ! "$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/nu
   exit 1
 fi
 
+# The multi-node tests run a real two-node Slurm cluster on this machine (tools/slurm_cluster.sh).
+if ! command -v slurmctld >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing slurm-wlm and munge (apt-get)"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge; } \
+      > /tmp/vime-apt-install.log 2>&1 || {
+      tail -20 /tmp/vime-apt-install.log >&2
+      echo "setup: apt-get install slurm-wlm munge failed (log: /tmp/vime-apt-install.log)" >&2
+      exit 1
+    }
+  else
+    echo "setup: slurm-wlm and munge are missing; the multi-node tests need them:" \
+      "run 'apt-get install slurm-wlm munge' as root" >&2
+  fi
+fi
+
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 stamp=".venv/.vime-setup-$(cat setup.py scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then

@@ -44,6 +44,6 @@ def model_builder():
 @pytest.fixture
 def unused_port() -> int:
     """A loopback port nothing listens on (bound once, then released)."""
-    from vime.rollout.server import find_free_port
+    from vime.utils.net import free_port
 
-    return find_free_port("127.0.0.1")
+    return free_port("127.0.0.1")

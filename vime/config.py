@@ -36,7 +36,13 @@ class EngineConfig(StrictModel):
     tensor_parallel_size: int = Field(
         1, ge=1, description="vLLM --tensor-parallel-size per engine."
     )
-    host: str = Field("127.0.0.1", description="Interface launched servers bind to.")
+    host: str | None = Field(
+        None,
+        description=(
+            "Address launched servers bind to; None: the engine's node address ($VIME_HOST_IP, "
+            "else the Ray node's address, else 127.0.0.1)."
+        ),
+    )
     base_port: int | None = Field(
         None, ge=1024, le=65535, description="First port for launched servers; None = free ports."
     )
@@ -168,13 +174,31 @@ class WeightSyncConfig(StrictModel):
             "(slow for big models: the engine reads back every weight)."
         ),
     )
-    master_address: str = Field(
-        "127.0.0.1",
-        description="Address of the pp senders that engine workers connect to (gloo, nccl).",
+    master_address: str | None = Field(
+        None,
+        description=(
+            "Address each pp sender's rendezvous listens on, which every engine worker must reach "
+            "(gloo, nccl). None: the sender's node address (cluster.node_address, $VIME_HOST_IP, "
+            "cluster.interface, Slurm's NodeAddr, else 127.0.0.1)."
+        ),
+    )
+    master_port_range: tuple[int, int] | None = Field(
+        None,
+        description=(
+            "Inclusive port range for the senders' rendezvous (open it in the firewall between "
+            "trainer and engine nodes); None: any free port."
+        ),
     )
 
     @model_validator(mode="after")
     def _check_transport(self) -> WeightSyncConfig:
+        if self.master_port_range is not None:
+            low, high = self.master_port_range
+            if not 1024 <= low <= high <= 65535:
+                raise ValueError(
+                    f"master_port_range={list(self.master_port_range)}: give [low, high] with "
+                    "1024 <= low <= high <= 65535"
+                )
         allowed = TRANSPORTS_BY_MODE[self.mode]
         if self.transport not in allowed:
             other = next(m for m, ts in TRANSPORTS_BY_MODE.items() if self.transport in ts)

@@ -2,8 +2,10 @@
 
     torchrun --nproc-per-node 1 -m vime.train --config configs/tiny_cpu_async.yaml [a.b=value ...]
 
-Rank 0 starts (or joins) Ray, launches the engines as named Ray actors (or attaches to
+Rank 0 joins the Ray cluster named by `cluster.ray_address` (or $RAY_ADDRESS; else it starts a
+local one of its own), places the engines as named Ray actors (or attaches to
 `engine.external_urls`), and runs the rollout thread; every rank trains and takes part in the sync.
+Multi-node jobs are rendered and submitted by `vime slurm` (vime/cluster/slurm.py).
 
 Loop (`loop: async`, one-off pipelining): generation of batch k+1 is submitted before training on
 batch k starts, so the engines generate while the trainer trains; the sync after step k pauses the
@@ -17,21 +19,26 @@ import argparse
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 from pydantic import Field, model_validator
 
+from vime.cluster.addresses import HOST_IP_ENV, check_reachable, node_address
+from vime.cluster.config import ClusterConfig
 from vime.config import EngineConfig, StrictModel, WeightSyncConfig, load_config
 from vime.rl.loss import GRPOConfig
 from vime.rl.metrics import MetricsWriter, prefixed
 from vime.rl.rollout import RolloutConfig
 from vime.trainer import TrainerConfig
+from vime.utils.net import is_loopback
 
 logger = logging.getLogger("vime.train")
 
@@ -54,15 +61,16 @@ class TrainConfig(StrictModel):
     loop: Literal["async", "sync"] = Field(
         "async", description="async: one-off pipelining; sync: generate -> train -> sync."
     )
-    ray_address: str | None = Field(
-        None, description="Ray cluster to join; None starts a local one on rank 0."
-    )
     model: ModelBuildConfig = Field(default_factory=ModelBuildConfig)
     engine: EngineConfig = Field(description="The rollout engines.")
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     rollout: RolloutConfig = Field(description="Prompts, sampling and rewards.")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    cluster: ClusterConfig = Field(
+        default_factory=ClusterConfig,
+        description="Ray cluster, node addresses, engine placement, Slurm job (`vime slurm`).",
+    )
 
     @model_validator(mode="after")
     def _check_backend(self) -> TrainConfig:
@@ -87,39 +95,49 @@ def _init_distributed(config: TrainConfig) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _launch_engines(config: TrainConfig, run_dir: Path) -> tuple[list[Any], list[str]]:
-    """Rank 0: engine handles (RayEngine wrappers over named actors) and their URLs."""
-    import ray
+def _launch_engines(config: TrainConfig, run_dir: Path, address: str):
+    """Rank 0: engine handles (RayEngine wrappers over named actors), URLs, where each runs."""
+    from vime.rollout.ray_engine import launch_engines
 
-    from vime.rollout.ray_engine import RayEngine
-    from vime.rollout.vllm_engine import VLLMEngine
-
-    ray.init(
-        address=config.ray_address,
-        include_dashboard=False,
-        log_to_driver=False,
-        namespace="vime",
-        runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}},
+    engines, urls, infos = launch_engines(
+        config.engine,
+        config.cluster,
+        node_address=address,
+        log_dir=str(run_dir / "engines"),
+        call_timeout_s=config.weight_sync.transfer_timeout_s,
     )
-    actor_cls = ray.remote(num_cpus=0)(VLLMEngine)
-    urls = config.engine.external_urls or [None] * config.engine.num_engines
-    actors = [
-        actor_cls.options(name=f"vime-engine-{rank}", lifetime=None).remote(
-            config.engine, rank=rank, url=url, log_dir=str(run_dir / "engines")
+    (run_dir / "engines.json").write_text(
+        json.dumps([{"url": url, **info} for url, info in zip(urls, infos, strict=True)], indent=2)
+    )
+    return engines, urls, infos
+
+
+def _check_reachable(config: TrainConfig, address: str, urls: list[str], infos: list[dict]):
+    """Every rank: the engines can reach this node's rendezvous, rank 0 the engines' URLs."""
+    hostname = socket.gethostname()
+    engine_hosts = []
+    for url, info in zip(urls, infos, strict=True):
+        url_host = urlsplit(url).hostname or ""
+        # An external engine's machine is unknown: a non-loopback URL counts as another one.
+        engine_host = (
+            info.get("hostname", hostname)
+            if not config.engine.external_urls
+            else (hostname if is_loopback(url_host) else url_host)
         )
-        for rank, url in enumerate(urls)
-    ]
-    timeout = config.engine.startup_timeout_s + 60
-    try:
-        resolved = ray.get([actor.init.remote() for actor in actors], timeout=timeout)
-    except BaseException:
-        # An engine that failed stopped its own server; stop the ones that came up.
-        ray.get([actor.shutdown.remote() for actor in actors], timeout=120)
-        raise
-    engines = [
-        RayEngine(actor, timeout_s=config.weight_sync.transfer_timeout_s) for actor in actors
-    ]
-    return engines, resolved
+        engine_hosts.append(engine_host)
+        check_reachable(url_host, "engine.host", own_host=engine_host, peer_hosts=[hostname])
+    if config.weight_sync.mode == "distributed":
+        field = (
+            "weight_sync.master_address"
+            if config.weight_sync.master_address
+            else ("the node address (cluster.node_address / VIME_HOST_IP / cluster.interface)")
+        )
+        check_reachable(
+            config.weight_sync.master_address or address,
+            field,
+            own_host=hostname,
+            peer_hosts=engine_hosts,
+        )
 
 
 def _attach_engines(config: TrainConfig, urls: list[str]) -> list[Any]:
@@ -168,6 +186,10 @@ def run(config: TrainConfig) -> dict[str, Any]:
     from vime.megatron.model import initialize_model_parallel
     from vime.trainer import MegatronTrainer
 
+    # One node address for every process of this node (engines launched here, gloo groups,
+    # stores): they all read VIME_HOST_IP.
+    address = node_address(config.cluster.node_address, config.cluster.interface)
+    os.environ[HOST_IP_ENV] = address
     rank, world_size = _init_distributed(config)
     run_dir = Path(config.run_dir)
     sync_group = dist.new_group(
@@ -198,10 +220,18 @@ def run(config: TrainConfig) -> dict[str, Any]:
         dp_group=dp_group,
     )
 
-    engines, urls = _launch_engines(config, run_dir) if rank == 0 else ([], None)
+    engines, urls, infos = _launch_engines(config, run_dir, address) if rank == 0 else ([], [], [])
     completed = False
     try:
-        summary = _run_loop(config, rank, run_dir, trainer, topology, sync_group, engines, urls)
+        urls, infos = _broadcast_object((urls, infos), sync_group)
+        _check_reachable(config, address, urls, infos)
+        hostname = socket.gethostname()
+        num_local_engines = sum(
+            not config.engine.external_urls and info.get("hostname") == hostname for info in infos
+        )
+        summary = _run_loop(
+            config, rank, run_dir, trainer, topology, sync_group, engines, urls, num_local_engines
+        )
         completed = True
     finally:
         if rank == 0:
@@ -217,15 +247,15 @@ def run(config: TrainConfig) -> dict[str, Any]:
     return summary
 
 
-def _run_loop(config, rank, run_dir, trainer, topology, sync_group, engines, urls) -> dict:
+def _run_loop(
+    config, rank, run_dir, trainer, topology, sync_group, engines, urls, num_local_engines
+) -> dict:
     """Attach, connect the updater, then generate/train/sync for num_steps; rank 0's summary."""
     from transformers import AutoTokenizer
 
     from vime.rl.rollout import RolloutThread
     from vime.rollout.generation import GenerationClient
 
-    urls = _broadcast_object(urls, sync_group)
-    num_local_engines = 0 if config.engine.external_urls else config.engine.num_engines
     cpu_cores = config.trainer.resolve_cpu_cores(num_local_engines)
     if cpu_cores and not torch.cuda.is_available():
         # After the engines started (they inherit nothing from here any more): train on the
@@ -296,7 +326,14 @@ def _run_loop(config, rank, run_dir, trainer, topology, sync_group, engines, url
         if rank == 0:
             rollouts.close()
             writer.close()
-            summary = {"wall_s": time.time() - job_start, "run_dir": str(run_dir)}
+            summary = {
+                "wall_s": time.time() - job_start,
+                "run_dir": str(run_dir),
+                # Where rank 0 ran (engines.json says where each engine ran).
+                "trainer_node": os.environ.get("SLURMD_NODENAME", socket.gethostname()),
+                "trainer_address": os.environ[HOST_IP_ENV],
+                "world_size": dist.get_world_size(),
+            }
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         updater.close()
     return summary

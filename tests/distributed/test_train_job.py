@@ -55,9 +55,9 @@ def run_job(config: str, tmp_path: Path, model_dir: Path, *overrides: str, nproc
 
 
 def _free_port() -> int:
-    from vime.rollout.server import find_free_port
+    from vime.utils.net import free_port
 
-    return find_free_port()
+    return free_port()
 
 
 def test_async_job_syncs_every_step_and_overlaps(tmp_path, tiny_model_dir):

@@ -98,10 +98,12 @@ def test_dotted_overrides_parse_yaml_values():
 
 def test_server_command_has_dev_mode_backend_and_extension():
     config = EngineConfig(model_path="/m", weight_transfer_backend="gloo", cpu_kvcache_space_gib=2)
-    cmd, env = build_server_command(config, 8123)
+    cmd, env = build_server_command(config, 8123, host="127.0.0.3")
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert cmd[cmd.index("--port") + 1] == "8123"
-    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    # The server and vLLM's internal queues bind to the engine's node address, nowhere else.
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.3"
+    assert env["VLLM_HOST_IP"] == "127.0.0.3" and env["VIME_HOST_IP"] == "127.0.0.3"
     assert cmd[cmd.index("--dtype") + 1] == "float32"
     assert '{"backend": "gloo"}' in cmd and "--enable-scale-out" in cmd
     assert cmd[cmd.index("--worker-extension-cls") + 1] == config.worker_extension_cls

@@ -22,7 +22,7 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
-from vime.rollout.server import find_free_port
+from vime.utils.net import free_port
 
 DEFAULT_CONFIG = "configs/bench_loop_cpu.yaml"
 
@@ -61,7 +61,7 @@ def run_job(config: str, loop: str, run_dir: Path, steps: int, overrides: list[s
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        str(find_free_port()),
+        str(free_port()),
         "-m",
         "vime.train",
         "--config",

@@ -1,4 +1,4 @@
-"""RayEngine: a VLLMEngine Ray actor seen as a plain engine object, every call bounded.
+"""Engines as Ray actors: `launch_engines` places them; `RayEngine` makes an actor a plain engine.
 
 Weight updaters call engine methods synchronously (`engine.pause_generation(...)`). Wrap each
 actor handle once and pass the wrappers instead of local engines:
@@ -9,7 +9,14 @@ actor handle once and pass the wrappers instead of local engines:
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
+
+from vime.cluster.config import ClusterConfig
+from vime.config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 
 class RayEngine:
@@ -43,3 +50,69 @@ class RayEngine:
 
     def __repr__(self) -> str:
         return f"RayEngine({self._actor!r})"
+
+
+def launch_engines(
+    engine: EngineConfig,
+    cluster: ClusterConfig,
+    *,
+    node_address: str,
+    log_dir: str,
+    call_timeout_s: float,
+) -> tuple[list[RayEngine], list[str], list[dict[str, str]]]:
+    """Join (or start) the job's Ray cluster and bring up its engines as named actors.
+
+    Launched engines are placed by a placement group (one bundle per engine, see
+    vime.cluster.ray_cluster) and each serves on its own node's address; external ones
+    (`engine.external_urls`) get a light actor each. Returns the engine handles, their URLs and
+    where each runs (node_info). On failure, every engine that came up is shut down.
+    """
+    import ray
+
+    from vime.cluster.ray_cluster import (
+        JobIdentity,
+        connect,
+        engine_actor_options,
+        place_engines,
+    )
+    from vime.rollout.vllm_engine import VLLMEngine
+
+    job = JobIdentity.from_config(cluster)
+    connect(
+        cluster,
+        job,
+        node_address=node_address,
+        runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}},
+    )
+    actor_cls = ray.remote(VLLMEngine)
+    if engine.external_urls:
+        actors = [
+            actor_cls.options(name=job.engine_actor_name(rank), num_cpus=0).remote(
+                engine, rank=rank, url=url, log_dir=log_dir
+            )
+            for rank, url in enumerate(engine.external_urls)
+        ]
+    else:
+        group = place_engines(cluster, job, engine.num_engines)
+        actors = [
+            actor_cls.options(**engine_actor_options(cluster, job, group, rank)).remote(
+                engine, rank=rank, log_dir=log_dir
+            )
+            for rank in range(engine.num_engines)
+        ]
+    try:
+        urls = ray.get([actor.init.remote() for actor in actors], timeout=startup_bound(engine))
+        infos = ray.get([actor.node_info.remote() for actor in actors], timeout=call_timeout_s)
+    except BaseException:
+        # An engine that failed stopped its own server; stop the ones that came up.
+        ray.get([actor.shutdown.remote() for actor in actors], timeout=120)
+        raise
+    for rank, (url, info) in enumerate(zip(urls, infos, strict=True)):
+        logger.info("engine %d at %s on %s", rank, url, info)
+    engines = [RayEngine(actor, timeout_s=call_timeout_s) for actor in actors]
+    return engines, urls, infos
+
+
+def startup_bound(engine: EngineConfig) -> float:
+    """How long launching (or reaching) every engine may take before the job gives up."""
+    return engine.startup_timeout_s + 60

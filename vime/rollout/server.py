@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import requests
 
 from vime.config import EngineConfig
+from vime.utils.net import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -29,12 +29,6 @@ LOG_TAIL_CHARS = 4000
 
 class EngineStartError(RuntimeError):
     """A launched server exited or never became healthy; the message carries its log tail."""
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 # glibc malloc never returns freed memory to the kernel: no mmap'd chunks (each would be unmapped
@@ -63,9 +57,9 @@ def cpu_core_binding(rank: int, num_engines: int, tensor_parallel_size: int) -> 
 
 
 def build_server_command(
-    config: EngineConfig, port: int, rank: int = 0
+    config: EngineConfig, port: int, rank: int = 0, host: str = "127.0.0.1"
 ) -> tuple[list[str], dict[str, str]]:
-    """The argv and environment of engine `rank`'s vLLM server for `config`, on `port`."""
+    """The argv and environment of engine `rank`'s vLLM server for `config`, on `host:port`."""
     cmd = [
         sys.executable,
         "-m",
@@ -73,7 +67,7 @@ def build_server_command(
         "--model",
         config.model_path,
         "--host",
-        config.host,
+        host,
         "--port",
         str(port),
         "--dtype",
@@ -100,6 +94,11 @@ def build_server_command(
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # the RL control routes exist only in dev mode
     env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kvcache_space_gib)
+    if host not in ("0.0.0.0", "::"):
+        # vLLM's internal queues and vime's gloo backend bind to this address, not to the one the
+        # hostname resolves to (on a test node that is loopback; elsewhere the job's network).
+        env["VLLM_HOST_IP"] = host
+        env["VIME_HOST_IP"] = host
     if config.weight_transfer_backend == "ipc":
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # pickled IPC handles over HTTP
     if not _has_cuda():
@@ -163,17 +162,18 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def launch_server(
-    config: EngineConfig, *, port: int | None, log_path: Path, rank: int = 0
+    config: EngineConfig, *, host: str, port: int | None, log_path: Path, rank: int = 0
 ) -> ServerProcess:
-    """Start engine `rank`'s server; return once /health answers 200, else EngineStartError."""
-    port = port if port is not None else find_free_port(config.host)
-    cmd, env = build_server_command(config, port, rank)
+    """Start engine `rank`'s server on `host`; return once /health answers 200, else
+    EngineStartError."""
+    port = port if port is not None else free_port(host)
+    cmd, env = build_server_command(config, port, rank, host)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(
             cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
         )
-    server = ServerProcess(process=process, url=f"http://{config.host}:{port}", log_path=log_path)
+    server = ServerProcess(process=process, url=f"http://{host}:{port}", log_path=log_path)
     logger.info("launched vLLM pid=%d at %s (log %s)", process.pid, server.url, log_path)
     try:
         wait_until_healthy(

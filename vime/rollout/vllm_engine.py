@@ -10,11 +10,13 @@ control method returns None, so callers can fan out to all of an engine's actors
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from vime.cluster.addresses import node_address
 from vime.config import EngineConfig, PauseMode
 from vime.rollout.server import ServerProcess, launch_server, wait_until_healthy
 from vime.utils.http import EngineHTTPError, request_json
@@ -60,8 +62,9 @@ class VLLMEngine:
             self._url = url
         else:
             log_path = self._log_dir / f"vllm-engine-{self.rank}.log"
+            host = self.config.host or node_address()
             self._server = launch_server(
-                self.config, port=self._port, log_path=log_path, rank=self.rank
+                self.config, host=host, port=self._port, log_path=log_path, rank=self.rank
             )
             self._url = self._server.url
         self.startup_s = time.monotonic() - start
@@ -77,6 +80,21 @@ class VLLMEngine:
     def get_url(self) -> str:
         """The base URL (a method, so Ray actor callers can ask for it)."""
         return self.url
+
+    def node_info(self) -> dict[str, str]:
+        """Where this engine object runs: hostname, node address, Ray node id (if in Ray)."""
+        import socket
+        import sys
+
+        info = {"hostname": socket.gethostname(), "address": node_address()}
+        if "ray" in sys.modules:
+            import ray
+
+            if ray.is_initialized():
+                info["ray_node_id"] = ray.get_runtime_context().get_node_id()
+        if os.environ.get("SLURMD_NODENAME"):
+            info["slurm_node"] = os.environ["SLURMD_NODENAME"]
+        return info
 
     def server_pid(self) -> int | None:
         """Pid of the server this engine launched (None for an external one)."""

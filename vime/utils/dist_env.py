@@ -7,7 +7,7 @@ import os
 
 def default_to_single_process() -> None:
     """Outside torchrun, make this process a world of one on loopback (torchrun sets these)."""
-    from vime.rollout.server import find_free_port
+    from vime.utils.net import free_port
 
     if "RANK" not in os.environ:
         os.environ.update(
@@ -15,5 +15,5 @@ def default_to_single_process() -> None:
             LOCAL_RANK="0",
             WORLD_SIZE="1",
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(find_free_port()),
+            MASTER_PORT=str(free_port()),
         )

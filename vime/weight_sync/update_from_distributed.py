@@ -12,7 +12,8 @@ pipeline stage).
 
 from __future__ import annotations
 
-from vime.rollout.server import find_free_port
+from vime.cluster.addresses import node_address
+from vime.utils.net import free_port
 from vime.weight_sync.transports import GlooTransport, NcclTransport, Transport
 from vime.weight_sync.updater import WeightUpdater
 
@@ -29,11 +30,14 @@ class UpdateWeightFromDistributed(WeightUpdater):
     def make_transport(self) -> Transport:
         config = self.config
         world_sizes = [int(engine.get_world_size()) for engine in self.engines]
+        # This sender's node: the engines' workers connect to it.
+        address = config.master_address or node_address()
+        port_range = config.master_port_range
         if config.transport == "gloo":
             return GlooTransport(
                 engine_world_sizes=world_sizes,
-                master_address=config.master_address,
-                master_port=0,
+                master_address=address,
+                master_port=free_port(address, port_range) if port_range else 0,
                 group_name=stage_group_name(self.topology.pp_rank),
                 timeout_s=config.transfer_timeout_s,
             )
@@ -46,8 +50,8 @@ class UpdateWeightFromDistributed(WeightUpdater):
                 )
             return NcclTransport(
                 engine_world_sizes=world_sizes,
-                master_address=config.master_address,
-                master_port=find_free_port(config.master_address),
+                master_address=address,
+                master_port=free_port(address, port_range),
                 max_bucket_bytes=config.update_weight_buffer_size,
                 timeout_s=config.transfer_timeout_s,
             )

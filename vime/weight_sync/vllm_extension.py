@@ -48,6 +48,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from vime.utils.rendezvous import gloo_group
 from vime.weight_sync.buckets import Bucket, dtype_name, tensor_digest, unpack
 from vime.weight_sync.transports.gloo import DEFAULT_GROUP_NAME
 from vime.weight_sync.transports.shm import SHM_DIR
@@ -209,7 +210,14 @@ class GlooWeightTransferEngine(_BucketEngine):
             timeout=timeout,
         )
         prefixed = dist.PrefixStore(init_info.group_name, store)
-        group = dist.ProcessGroupGloo(prefixed, rank, init_info.world_size, timeout)
+        # Listen on this node's address (set by vime's launcher), not where the hostname points.
+        group = gloo_group(
+            prefixed,
+            rank=rank,
+            world_size=init_info.world_size,
+            timeout_s=init_info.timeout_s,
+            address=os.environ.get("VIME_HOST_IP") or None,
+        )
         self._groups[init_info.group_name] = (store, group, timeout)
         logger.info(
             "joined gloo group %r as rank %d of %d via %s:%d",

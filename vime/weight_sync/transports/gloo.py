@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vime.utils.rendezvous import gloo_group, listening_store
 from vime.weight_sync.buckets import Bucket
 from vime.weight_sync.transports.base import (
     EngineCall,
@@ -87,13 +88,13 @@ class GlooTransport(Transport):
                 f"{len(init_calls)} init calls for {len(self.engine_world_sizes)} engines"
             )
         self.close()
-        self._store = dist.TCPStore(
+        # Store and gloo pairs listen on master_address only (the node's address), never on
+        # every interface.
+        self._store = listening_store(
             self.master_address,
             self.master_port,
-            self.world_size,
-            is_master=True,
-            timeout=self._timeout,
-            wait_for_workers=False,
+            world_size=self.world_size,
+            timeout_s=self.timeout_s,
         )
         infos = self.init_infos(self._store.port)
         # Each engine blocks in init_weight_transfer_engine until the whole group has joined, so
@@ -104,7 +105,13 @@ class GlooTransport(Transport):
         ]
         prefixed = dist.PrefixStore(self.group_name, self._store)
         try:
-            self._group = dist.ProcessGroupGloo(prefixed, 0, self.world_size, self._timeout)
+            self._group = gloo_group(
+                prefixed,
+                rank=0,
+                world_size=self.world_size,
+                timeout_s=self.timeout_s,
+                address=self.master_address,
+            )
         except BaseException:
             for in_flight in executor_calls:
                 in_flight.abandon()

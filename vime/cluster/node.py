@@ -1,0 +1,178 @@
+"""What the Slurm job runs on each node: Ray head or worker, the wait for every node, the trainer.
+
+Each command resolves this node's address (vime.cluster.addresses), exports it as VIME_HOST_IP,
+and replaces itself with the real program, so Slurm tracks and signals that program directly:
+
+    python -m vime.cluster.node ray --head --port 6379 [--engine-node]
+    python -m vime.cluster.node ray --address 10.0.0.5:6379 [--engine-node]
+    python -m vime.cluster.node wait --address 10.0.0.5:6379 --nodes n1,n2 --timeout 180
+    python -m vime.cluster.node trainer --nnodes 2 --nproc-per-node 8 \
+        --rdzv-endpoint 10.0.0.5:29400 --rdzv-id 1234 -- --config CFG [a.b=value ...]
+
+`ray` runs `ray start --block`: it stays in the foreground, and SIGTERM (what `scancel`, the end
+of the job's script, or srun's forwarding sends) stops every Ray process of that node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from vime.cluster.addresses import HOST_IP_ENV, node_address
+from vime.cluster.ray_cluster import ENGINE_RESOURCE_UNITS, NODE_RESOURCE_PREFIX
+from vime.utils.net import free_port
+
+
+def slurm_node_name() -> str:
+    name = os.environ.get("SLURMD_NODENAME")
+    if not name:
+        raise SystemExit("vime.cluster.node: SLURMD_NODENAME is not set; run it under srun")
+    return name
+
+
+def ray_start_argv(
+    *,
+    address: str,
+    node_name: str,
+    head_port: int | None = None,
+    head_address: str | None = None,
+    engine_resource: str | None = None,
+    temp_dir: str | None = None,
+    dashboard_agent_port: int | None = None,
+) -> list[str]:
+    """`ray start --block` for this node: the head (head_port) or a worker (head_address)."""
+    if (head_port is None) == (head_address is None):
+        raise ValueError("give exactly one of head_port (the head) and head_address (a worker)")
+    resources = {f"{NODE_RESOURCE_PREFIX}{node_name}": 1}
+    if engine_resource:
+        resources[engine_resource] = ENGINE_RESOURCE_UNITS
+    argv = ["ray", "start", "--block", "--disable-usage-stats", f"--node-ip-address={address}"]
+    if head_port is not None:
+        argv += [
+            "--head",
+            f"--port={head_port}",
+            # Ray's client server takes 10001 unless told; next to the GCS port instead.
+            f"--ray-client-server-port={head_port + 1}",
+            "--include-dashboard=false",
+        ]
+    else:
+        argv.append(f"--address={head_address}")
+    if temp_dir:
+        # The job's own: sockets, logs and the "current cluster" file of no other Ray.
+        argv.append(f"--temp-dir={temp_dir}")
+    if dashboard_agent_port is not None:
+        argv.append(f"--dashboard-agent-listen-port={dashboard_agent_port}")
+    argv.append(f"--resources={json.dumps(resources, separators=(',', ':'))}")
+    return argv
+
+
+def trainer_argv(
+    *,
+    address: str,
+    nnodes: int,
+    nproc_per_node: int,
+    node_rank: int,
+    rdzv_endpoint: str,
+    rdzv_id: str,
+    train_args: list[str],
+) -> list[str]:
+    """torchrun for this trainer node: c10d rendezvous hosted by trainer node 0."""
+    return [
+        "torchrun",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc_per_node}",
+        f"--node-rank={node_rank}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv_endpoint}",
+        f"--rdzv-id={rdzv_id}",
+        # Exactly one node hosts the rendezvous store: with test nodes on one machine, every
+        # loopback endpoint would look local to torchrun's guess.
+        f"--rdzv-conf=is_host={1 if node_rank == 0 else 0}",
+        f"--local-addr={address}",
+        "-m",
+        "vime.train",
+        *train_args,
+    ]
+
+
+def _exec(argv: list[str], address: str) -> None:
+    os.environ[HOST_IP_ENV] = address
+    sys.stdout.flush()
+    print(f"vime.cluster.node: {slurm_node_name()} ({address}): {' '.join(argv)}", flush=True)
+    os.execvp(argv[0], argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--interface", default=None, help="take this interface's address")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    ray_cmd = commands.add_parser("ray", help="ray start --block on this node")
+    role = ray_cmd.add_mutually_exclusive_group(required=True)
+    role.add_argument("--head", action="store_true")
+    role.add_argument("--address", help="head's host:port (workers)")
+    ray_cmd.add_argument("--port", type=int, default=6379, help="GCS port (head)")
+    ray_cmd.add_argument("--engine-resource", default=None, help="offer engine slots here")
+    ray_cmd.add_argument("--temp-dir", default=None)
+
+    wait_cmd = commands.add_parser("wait", help="wait until every node's Ray has joined")
+    wait_cmd.add_argument("--address", required=True)
+    wait_cmd.add_argument("--nodes", required=True, help="comma-separated Slurm node names")
+    wait_cmd.add_argument("--timeout", type=float, required=True)
+
+    trainer_cmd = commands.add_parser("trainer", help="torchrun -m vime.train on this node")
+    trainer_cmd.add_argument("--nnodes", type=int, required=True)
+    trainer_cmd.add_argument("--nproc-per-node", type=int, required=True)
+    trainer_cmd.add_argument("--rdzv-endpoint", required=True)
+    trainer_cmd.add_argument("--rdzv-id", required=True)
+    trainer_cmd.add_argument("train_args", nargs=argparse.REMAINDER)
+
+    args = parser.parse_args(argv)
+    address = node_address(interface=args.interface)
+    if args.command == "ray":
+        _exec(
+            ray_start_argv(
+                address=address,
+                node_name=slurm_node_name(),
+                head_port=args.port if args.head else None,
+                head_address=args.address,
+                engine_resource=args.engine_resource,
+                temp_dir=args.temp_dir,
+                dashboard_agent_port=free_port(address),
+            ),
+            address,
+        )
+    elif args.command == "wait":
+        import ray
+
+        from vime.cluster.ray_cluster import wait_for_nodes
+
+        os.environ[HOST_IP_ENV] = address
+        ray.init(address=args.address, _node_ip_address=address, log_to_driver=False)
+        try:
+            wait_for_nodes(args.nodes.split(","), timeout_s=args.timeout)
+        except TimeoutError as exc:
+            raise SystemExit(f"vime.cluster.node wait: {exc}") from None
+        finally:
+            ray.shutdown()
+        print(f"vime.cluster.node: every node joined Ray: {args.nodes}", flush=True)
+    else:
+        train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+        _exec(
+            trainer_argv(
+                address=address,
+                nnodes=args.nnodes,
+                nproc_per_node=args.nproc_per_node,
+                node_rank=int(os.environ.get("SLURM_NODEID", "0")),
+                rdzv_endpoint=args.rdzv_endpoint,
+                rdzv_id=args.rdzv_id,
+                train_args=train_args,
+            ),
+            address,
+        )
+
+
+if __name__ == "__main__":
+    main()

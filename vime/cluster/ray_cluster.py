@@ -1,0 +1,186 @@
+"""The job's Ray cluster: joined by explicit address only, one namespace per job, engines placed.
+
+    job = JobIdentity.from_config(cluster)          # namespace "<job_name>-<job_id>"
+    connect(cluster, job, node_address="10.0.0.5")  # cluster.ray_address / $RAY_ADDRESS, or a
+                                                    # local cluster of the job's own
+    group = place_engines(cluster, num_engines=4)   # one bundle per engine, waits with a timeout
+    actor = ray.remote(VLLMEngine).options(**engine_actor_options(cluster, job, group, 0))
+
+`ray.init()` without an address joins whatever cluster the node last knew
+(/tmp/ray/ray_current_cluster); vime never does that: without an address it starts its own.
+Actor names carry the job's name and id, so two jobs can share one Ray cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from vime.cluster.config import ClusterConfig
+
+logger = logging.getLogger(__name__)
+
+# A local cluster (and every engine node of a Slurm job) offers this many units of
+# cluster.engine_resource: the bound on engines per node comes from CPUs and GPUs, not from it.
+ENGINE_RESOURCE_UNITS = 1000
+# Each node of a Slurm job also offers {NODE_RESOURCE_PREFIX + slurm node name: 1}, so the job can
+# tell which of its nodes have joined.
+NODE_RESOURCE_PREFIX = "vime_node:"
+
+
+@dataclass(frozen=True)
+class JobIdentity:
+    """What tells this job's Ray objects from another job's on the same cluster."""
+
+    name: str
+    job_id: str
+
+    @classmethod
+    def from_config(cls, cluster: ClusterConfig) -> JobIdentity:
+        job_id = cluster.job_id or os.environ.get("SLURM_JOB_ID") or _fresh_id()
+        return cls(name=cluster.job_name, job_id=job_id)
+
+    @property
+    def namespace(self) -> str:
+        return f"{self.name}-{self.job_id}"
+
+    def engine_actor_name(self, rank: int) -> str:
+        return f"{self.namespace}-engine-{rank}"
+
+
+def _fresh_id() -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def ray_address(cluster: ClusterConfig) -> str | None:
+    """cluster.ray_address, else $RAY_ADDRESS, else None (start a local cluster)."""
+    return cluster.ray_address or os.environ.get("RAY_ADDRESS") or None
+
+
+def connect(
+    cluster: ClusterConfig,
+    job: JobIdentity,
+    *,
+    node_address: str,
+    runtime_env: dict[str, Any] | None = None,
+) -> bool:
+    """Join the configured cluster, or start a local one; True when this process started it.
+
+    `node_address`: this node's address; on a node with several Ray nodes (one machine holding
+    test nodes) it picks the raylet of this node.
+    """
+    import ray
+
+    address = ray_address(cluster)
+    common = dict(
+        namespace=job.namespace,
+        runtime_env=runtime_env,
+        log_to_driver=False,
+        _node_ip_address=node_address,
+    )
+    if address is not None:
+        ray.init(address=address, **common)
+        logger.info("joined Ray at %s, namespace %s", address, job.namespace)
+        return False
+    resources = (
+        {cluster.engine_resource: ENGINE_RESOURCE_UNITS} if cluster.engine_resource else None
+    )
+    # address="local": a new cluster of this job's own, even if the node knows another one.
+    ray.init(address="local", include_dashboard=False, resources=resources, **common)
+    logger.info("started a local Ray cluster at %s, namespace %s", node_address, job.namespace)
+    return True
+
+
+def engine_bundle(cluster: ClusterConfig) -> dict[str, float]:
+    """The Ray resources one engine takes (its actor asks for exactly these)."""
+    bundle = {"CPU": cluster.engine_num_cpus, "GPU": cluster.engine_num_gpus}
+    if cluster.engine_resource:
+        bundle[cluster.engine_resource] = 1
+    return {name: amount for name, amount in bundle.items() if amount > 0}
+
+
+def place_engines(cluster: ClusterConfig, job: JobIdentity, num_engines: int) -> Any:
+    """A ready placement group of one engine bundle per engine; TimeoutError says what's free."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundles = [engine_bundle(cluster) for _ in range(num_engines)]
+    group = placement_group(
+        bundles, strategy=cluster.placement_strategy, name=f"{job.namespace}-engines"
+    )
+    try:
+        ray.get(group.ready(), timeout=cluster.placement_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise TimeoutError(
+            f"{num_engines} engine bundle(s) {bundles[0]} with strategy "
+            f"{cluster.placement_strategy} not placed within {cluster.placement_timeout_s:g} s. "
+            f"Free resources per node: {_free_resources()}. Engine nodes offer "
+            f"{cluster.engine_resource!r} (the Slurm job and a local cluster do); on a cluster of "
+            "your own, start them with `ray start --resources` naming it, or set "
+            "cluster.engine_resource=null"
+        ) from None
+    return group
+
+
+def _free_resources() -> dict[str, dict[str, float]]:
+    import ray
+
+    free = {}
+    for node in ray.nodes():
+        if node.get("Alive"):
+            free[node["NodeManagerAddress"]] = {
+                k: v for k, v in node["Resources"].items() if not k.startswith("node:")
+            }
+    return free
+
+
+def engine_actor_options(
+    cluster: ClusterConfig, job: JobIdentity, group: Any, rank: int
+) -> dict[str, Any]:
+    """`.options(...)` of engine `rank`'s actor: its name, its bundle, exactly its resources."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = engine_bundle(cluster)
+    custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+    return dict(
+        name=job.engine_actor_name(rank),
+        num_cpus=bundle.get("CPU", 0),
+        num_gpus=bundle.get("GPU", 0),
+        resources=custom or None,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=group, placement_group_bundle_index=rank
+        ),
+    )
+
+
+def wait_for_nodes(node_names: list[str], timeout_s: float, poll_s: float = 1.0) -> None:
+    """Wait until the Ray node of every Slurm node in `node_names` is alive (ray.init first).
+
+    Raises TimeoutError naming the nodes that did not join.
+    """
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        joined = {
+            resource[len(NODE_RESOURCE_PREFIX) :]
+            for node in ray.nodes()
+            if node.get("Alive")
+            for resource in node["Resources"]
+            if resource.startswith(NODE_RESOURCE_PREFIX)
+        }
+        missing = [name for name in node_names if name not in joined]
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"Ray nodes not joined after {timeout_s:g} s: {', '.join(missing)} (joined: "
+                f"{', '.join(sorted(joined)) or 'none'}); see that node's ray log in the job's "
+                "log directory"
+            )
+        time.sleep(poll_s)
