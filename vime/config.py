@@ -36,6 +36,14 @@ class EngineConfig(StrictModel):
     tensor_parallel_size: int = Field(
         1, ge=1, description="vLLM --tensor-parallel-size per engine."
     )
+    num_nodes: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Nodes one engine spans (vLLM --nnodes, mp executor): node 0 serves HTTP, the others "
+            "run --headless workers; tensor_parallel_size / num_nodes workers per node."
+        ),
+    )
     host: str | None = Field(
         None,
         description=(
@@ -101,6 +109,11 @@ class EngineConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_urls(self) -> EngineConfig:
+        if self.tensor_parallel_size % self.num_nodes:
+            raise ValueError(
+                f"engine.tensor_parallel_size={self.tensor_parallel_size} does not split over "
+                f"engine.num_nodes={self.num_nodes}: give a multiple of num_nodes"
+            )
         for url in self.external_urls:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(

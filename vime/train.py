@@ -80,6 +80,13 @@ class TrainConfig(StrictModel):
                 f"weight_sync.transport={self.weight_sync.transport!r}: the engines must run the "
                 "backend the trainer sends with; set both to the same value"
             )
+        if self.engine.num_nodes > 1 and not self.engine.external_urls:
+            raise ValueError(
+                f"engine.num_nodes={self.engine.num_nodes}: the RL job cannot use an engine "
+                "spanning nodes yet (weight sync checks and loads TP=1 engines only); run it as "
+                "a server (vime.rollout.server.launch_server with EngineNodeRole) or set "
+                "engine.num_nodes=1"
+            )
         if self.grpo.kl_coef > 0:
             raise ValueError(
                 f"grpo.kl_coef={self.grpo.kl_coef}: the trainer keeps no reference model yet; "

@@ -36,7 +36,7 @@ def small_model_dir(model_builder):
 @pytest.fixture(scope="module")
 def ray_engines(small_model_dir, tmp_path_factory):
     """Two engines, each a Ray actor that launched its own server."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = EngineConfig(
         model_path=str(small_model_dir), max_model_len=MAX_MODEL_LEN, num_engines=2
     )

@@ -177,3 +177,48 @@ def _is_alive(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_external_engine_on_another_node_syncs_over_gloo(tmp_path, tiny_model_dir):
+    """engine.external_urls on another node: the trainer's node is 127.0.0.2, the engine (started
+    here, as someone else's server would be) 127.0.0.3; the weight-sync group joins across."""
+    from vime.config import EngineConfig
+    from vime.rollout.server import launch_server
+
+    engine = EngineConfig(
+        model_path=str(tiny_model_dir),
+        weight_transfer_backend="gloo",
+        max_model_len=256,
+        max_num_seqs=128,
+    )
+    server = launch_server(engine, host="127.0.0.3", port=None, log_path=tmp_path / "engine.log")
+    try:
+        run_dir = tmp_path / "run"
+        cmd = job_command(
+            "tiny_cpu_async_gloo.yaml",
+            run_dir,
+            tiny_model_dir,
+            "num_steps=2",
+            "weight_sync.verify_checksums=true",
+            "rollout.num_prompts_per_step=2",
+            "rollout.num_samples_per_prompt=4",
+            f"engine.external_urls=[{server.url}]",
+        )
+        completed = subprocess.run(
+            cmd,
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "VIME_HOST_IP": "127.0.0.2"},
+        )
+        assert completed.returncode == 0, completed.stderr[-6000:]
+    finally:
+        server.stop()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["sync/weight_version"] for m in rows] == [1, 2]
+    assert all(m["sync/verified"] == 1.0 for m in rows)
+    assert json.loads((run_dir / "summary.json").read_text())["trainer_address"] == "127.0.0.2"
+    assert (
+        "via 127.0.0.2:" in completed.stderr
+    )  # the gloo rendezvous listened on the trainer's node

@@ -299,7 +299,7 @@ def test_ray_engine_wraps_an_actor_with_timeouts(servers, model_dir):
 
     from vime.rollout.ray_engine import RayEngine
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         config = EngineConfig(model_path=model_dir, request_timeout_s=30)
         actor = ray.remote(num_cpus=0)(VLLMEngine).remote(config, url=servers["A"])

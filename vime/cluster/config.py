@@ -77,7 +77,11 @@ class SlurmConfig(StrictModel):
     )
     script_dir: str = Field("runs/slurm", description="Where `vime slurm` writes the script.")
     ray_port: int = Field(
-        6379, ge=1024, le=65535, description="The Ray head's GCS port (outside 10002-19999)."
+        6379,
+        ge=1024,
+        le=65534,
+        description="The Ray head's GCS port, its client server's the next one (both outside "
+        "Ray's worker ports 10002-19999).",
     )
     rdzv_port: int = Field(
         29400, ge=1024, le=65535, description="torchrun's c10d rendezvous port on trainer node 0."
@@ -94,6 +98,8 @@ class SlurmConfig(StrictModel):
                 "the trainer runs on the first trainer_nodes nodes of the allocation"
             )
         _check_port_outside_ray_workers("slurm.ray_port", self.ray_port)
+        # The head's Ray client server takes the next port (see vime.cluster.node).
+        _check_port_outside_ray_workers("slurm.ray_port + 1", self.ray_port + 1)
         return self
 
     @property

@@ -56,14 +56,64 @@ def cpu_core_binding(rank: int, num_engines: int, tensor_parallel_size: int) -> 
     )
 
 
+@dataclass(frozen=True)
+class EngineNodeRole:
+    """One node's part of an engine spanning `num_nodes` nodes (vLLM's mp executor, --nnodes).
+
+    Node 0 serves HTTP and runs the scheduler; every other node runs `--headless` workers that
+    join node 0's torch.distributed rendezvous at master_address:master_port.
+    """
+
+    node_rank: int
+    num_nodes: int
+    master_address: str
+    master_port: int
+
+    @property
+    def headless(self) -> bool:
+        return self.node_rank > 0
+
+    def args(self) -> list[str]:
+        return [
+            "--distributed-executor-backend",
+            "mp",
+            "--nnodes",
+            str(self.num_nodes),
+            "--node-rank",
+            str(self.node_rank),
+            "--master-addr",
+            self.master_address,
+            "--master-port",
+            str(self.master_port),
+            *(["--headless"] if self.headless else []),
+        ]
+
+
 def build_server_command(
-    config: EngineConfig, port: int, rank: int = 0, host: str = "127.0.0.1"
+    config: EngineConfig,
+    port: int,
+    rank: int = 0,
+    host: str = "127.0.0.1",
+    node: EngineNodeRole | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """The argv and environment of engine `rank`'s vLLM server for `config`, on `host:port`."""
+    """The argv and environment of engine `rank`'s vLLM server for `config`, on `host:port`.
+
+    `node`: this process's part of a multi-node engine (config.num_nodes > 1); a headless node
+    runs `vllm serve --headless` (vime.rollout.vllm_cli), which serves no HTTP.
+    """
+    if (node is not None) != (config.num_nodes > 1):
+        raise ValueError(
+            f"engine.num_nodes={config.num_nodes}: give each node's role exactly when the "
+            "engine spans more than one node"
+        )
+    if node is not None and node.headless:
+        entry = ["vime.rollout.vllm_cli", "serve"]
+    else:
+        entry = ["vllm.entrypoints.openai.api_server"]
     cmd = [
         sys.executable,
         "-m",
-        "vllm.entrypoints.openai.api_server",
+        *entry,
         "--model",
         config.model_path,
         "--host",
@@ -89,6 +139,8 @@ def build_server_command(
         cmd += ["--worker-extension-cls", config.worker_extension_cls]
     if _has_cuda():
         cmd += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+    if node is not None:
+        cmd += node.args()
     cmd += list(config.extra_args)
 
     env = dict(os.environ)
@@ -102,7 +154,8 @@ def build_server_command(
     if config.weight_transfer_backend == "ipc":
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # pickled IPC handles over HTTP
     if not _has_cuda():
-        binding = cpu_core_binding(rank, config.num_engines, config.tensor_parallel_size)
+        workers_here = config.tensor_parallel_size // config.num_nodes
+        binding = cpu_core_binding(rank, config.num_engines, workers_here)
         if binding is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = binding
         if config.cpu_reuse_freed_memory:
@@ -162,12 +215,19 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def launch_server(
-    config: EngineConfig, *, host: str, port: int | None, log_path: Path, rank: int = 0
+    config: EngineConfig,
+    *,
+    host: str,
+    port: int | None,
+    log_path: Path,
+    rank: int = 0,
+    node: EngineNodeRole | None = None,
 ) -> ServerProcess:
     """Start engine `rank`'s server on `host`; return once /health answers 200, else
-    EngineStartError."""
+    EngineStartError. A headless node of a multi-node engine serves no HTTP: it returns once
+    started, and node 0's health says when the whole engine is up."""
     port = port if port is not None else free_port(host)
-    cmd, env = build_server_command(config, port, rank, host)
+    cmd, env = build_server_command(config, port, rank, host, node)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(
@@ -175,6 +235,8 @@ def launch_server(
         )
     server = ServerProcess(process=process, url=f"http://{host}:{port}", log_path=log_path)
     logger.info("launched vLLM pid=%d at %s (log %s)", process.pid, server.url, log_path)
+    if node is not None and node.headless:
+        return server
     try:
         wait_until_healthy(
             server.url, timeout_s=config.startup_timeout_s, process=process, log_path=log_path
