@@ -43,6 +43,18 @@ def ray_cluster():
     cluster.shutdown()
 
 
+@pytest.fixture(scope="module")
+def job(ray_cluster) -> JobIdentity:
+    """This test process is the driver of job A, joined by explicit address."""
+    import ray
+
+    job = JobIdentity(name="shared", job_id="A")
+    started = connect(ClusterConfig(ray_address=ray_cluster.address), job, node_address=HEAD)
+    assert not started
+    assert ray.get_runtime_context().namespace == "shared-A"
+    return job
+
+
 def _probe_class():
     import ray
 
@@ -71,14 +83,7 @@ def _place(config: ClusterConfig, job: JobIdentity, num_engines: int) -> list[st
     return addresses
 
 
-def test_engines_land_on_engine_nodes_packed_or_spread(ray_cluster):
-    import ray
-
-    job = JobIdentity(name="placement", job_id="1")
-    started = connect(ClusterConfig(ray_address=ray_cluster.address), job, node_address=HEAD)
-    assert not started
-    assert ray.get_runtime_context().namespace == "placement-1"
-
+def test_engines_land_on_engine_nodes_packed_or_spread(job):
     packed = _place(ClusterConfig(placement_strategy="PACK"), job, 2)
     assert len(set(packed)) == 1 and packed[0] in (ENGINE_A, ENGINE_B), packed
     spread = _place(ClusterConfig(placement_strategy="STRICT_SPREAD"), job, 2)
@@ -90,9 +95,7 @@ def test_engines_land_on_engine_nodes_packed_or_spread(ray_cluster):
     assert sorted(anywhere) == [HEAD, ENGINE_A, ENGINE_B]
 
 
-def test_unplaceable_engines_fail_in_bounded_time_saying_what_is_free(ray_cluster):
-    job = JobIdentity(name="placement", job_id="2")
-    connect(ClusterConfig(ray_address=ray_cluster.address), job, node_address=HEAD)
+def test_unplaceable_engines_fail_in_bounded_time_saying_what_is_free(job):
     too_big = ClusterConfig(engine_num_cpus=8, placement_timeout_s=3)
     with pytest.raises(TimeoutError, match=r"not placed within 3 s\. Free resources per node"):
         place_engines(too_big, job, 1)
@@ -137,12 +140,10 @@ def _run_job(address: str, job_id: str, node_address: str = HEAD) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_two_jobs_share_one_cluster_without_collisions(ray_cluster):
+def test_two_jobs_share_one_cluster_without_collisions(ray_cluster, job):
     import ray
 
-    job = JobIdentity(name="shared", job_id="A")
     config = ClusterConfig(ray_address=ray_cluster.address, job_name="shared")
-    connect(config, job, node_address=HEAD)
     group = place_engines(config, job, 1)
     probe = _probe_class()
     mine = probe.options(**engine_actor_options(config, job, group, 0)).remote()
