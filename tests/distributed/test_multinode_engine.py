@@ -58,22 +58,16 @@ def test_tp2_engine_across_two_nodes_serves_exact_greedy(tiny_model_dir, tmp_pat
     servers = []
     try:
         # The headless node first: node 0's launch returns once the whole engine is healthy.
-        headless = launch_server(
-            _node_config(tiny_model_dir, 1),
-            host=NODE_1,
-            port=None,
-            log_path=tmp_path / "node1.log",
-            node=EngineNodeRole(1, 2, NODE_0, master_port),
-        )
-        servers.append(headless)
-        node0 = launch_server(
-            _node_config(tiny_model_dir, 0),
-            host=NODE_0,
-            port=None,
-            log_path=tmp_path / "node0.log",
-            node=EngineNodeRole(0, 2, NODE_0, master_port),
-        )
-        servers.append(node0)
+        for node_rank, address in ((1, NODE_1), (0, NODE_0)):
+            server = launch_server(
+                _node_config(tiny_model_dir, node_rank),
+                host=address,
+                port=None,
+                log_path=tmp_path / f"node{node_rank}.log",
+                node=EngineNodeRole(node_rank, 2, NODE_0, master_port),
+            )
+            servers.append(server)
+        headless, node0 = servers
         assert node0.url.startswith(f"http://{NODE_0}:")
         assert headless.process.poll() is None, "the headless node exited"
         world = requests.get(f"{node0.url}/get_world_size", timeout=30).json()["world_size"]
