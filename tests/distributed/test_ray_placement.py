@@ -16,10 +16,12 @@ import pytest
 
 from vime.cluster.config import ClusterConfig
 from vime.cluster.ray_cluster import (
+    NODE_RESOURCE_PREFIX,
     JobIdentity,
     connect,
     engine_actor_options,
     place_engines,
+    wait_for_nodes,
 )
 
 pytestmark = pytest.mark.distributed
@@ -34,7 +36,12 @@ def ray_cluster():
 
     cluster = Cluster()
     # The head (trainer) node offers no engine resource; two engine nodes do.
-    cluster.add_node(node_ip_address=HEAD, num_cpus=1, include_dashboard=False)
+    cluster.add_node(
+        node_ip_address=HEAD,
+        num_cpus=1,
+        include_dashboard=False,
+        resources={f"{NODE_RESOURCE_PREFIX}vime-head": 1},  # as the Slurm job names its nodes
+    )
     for address in (ENGINE_A, ENGINE_B):
         cluster.add_node(node_ip_address=address, num_cpus=2, resources={"vime_engine_node": 1000})
     cluster.wait_for_nodes()
@@ -160,3 +167,11 @@ def test_no_address_starts_a_cluster_of_its_own(ray_cluster, monkeypatch):
     own = _run_job("", "C", node_address="127.0.0.1")
     assert own["started"] and own["num_nodes"] == 1
     assert own["gcs"] != ray_cluster.address
+
+
+def test_waiting_for_nodes_names_the_missing_one(job):
+    wait_for_nodes(["vime-head"], timeout_s=10)
+    with pytest.raises(
+        TimeoutError, match=r"not joined after 2 s: vime-absent \(joined: vime-head\)"
+    ):
+        wait_for_nodes(["vime-head", "vime-absent"], timeout_s=2, poll_s=0.5)
