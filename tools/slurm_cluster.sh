@@ -26,7 +26,13 @@ MUNGE_SOCKET=$DIR/munge/munge.socket
 
 export SLURM_CONF=$DIR/slurm.conf
 
-alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# PIDFILE NAME: the pid in PIDFILE runs and is NAME (a pid left from an earlier boot may be reused).
+alive() {
+  local pid
+  [ -f "$1" ] || return 1
+  pid=$(cat "$1")
+  [ -r "/proc/$pid/comm" ] && [ "$(cat "/proc/$pid/comm")" = "$2" ]
+}
 
 write_config() {
   mkdir -p "$DIR"/{state,log,spool} "$DIR/munge"
@@ -98,25 +104,25 @@ up() {
   done
   [ "$(id -u)" = 0 ] || { echo "slurm_cluster: needs root (slurmd runs jobs as their user)" >&2; exit 1; }
   write_config
-  if ! alive "$DIR/munge/munged.pid"; then
+  if ! alive "$DIR/munge/munged.pid" munged; then
     runuser -u munge -- munged --socket="$MUNGE_SOCKET" --pid-file="$DIR/munge/munged.pid" \
       --log-file="$DIR/munge/munged.log" --seed-file="$DIR/munge/munged.seed"
   fi
-  if ! alive "$DIR/slurmctld.pid"; then
+  if ! alive "$DIR/slurmctld.pid" slurmctld; then
     slurmctld -f "$SLURM_CONF"
   fi
   local node
   for node in "${NODES[@]}"; do
-    alive "$DIR/slurmd-$node.pid" || slurmd -f "$SLURM_CONF" -N "$node"
+    alive "$DIR/slurmd-$node.pid" slurmd || slurmd -f "$SLURM_CONF" -N "$node"
   done
   # A node left DOWN by an earlier run's abrupt stop comes back.
   scontrol update nodename="$(IFS=,; echo "${NODES[*]}")" state=resume 2>/dev/null || true
   wait_for_nodes
 }
 
-stop_pidfile() {
+stop_pidfile() {  # PIDFILE NAME
   local pidfile=$1 pid
-  alive "$pidfile" || { rm -f "$pidfile"; return 0; }
+  alive "$pidfile" "$2" || { rm -f "$pidfile"; return 0; }
   pid=$(cat "$pidfile")
   kill -TERM "$pid" 2>/dev/null || true
   for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
@@ -126,9 +132,9 @@ stop_pidfile() {
 
 down() {
   local node
-  for node in "${NODES[@]}"; do stop_pidfile "$DIR/slurmd-$node.pid"; done
-  stop_pidfile "$DIR/slurmctld.pid"
-  stop_pidfile "$DIR/munge/munged.pid"
+  for node in "${NODES[@]}"; do stop_pidfile "$DIR/slurmd-$node.pid" slurmd; done
+  stop_pidfile "$DIR/slurmctld.pid" slurmctld
+  stop_pidfile "$DIR/munge/munged.pid" munged
   echo "slurm_cluster: down"
 }
 

@@ -125,6 +125,7 @@ def test_two_node_slurm_job_trains_on_one_node_and_serves_on_the_other(
         left = processes_of_job(job_id)
     assert not left, f"processes of job {job_id} still running: {left}"
     assert set(Path("/dev/shm").iterdir()) - shm_before == set()
+    assert not Path(f"/tmp/vime-ray-{job_id}").exists(), "the job's Ray temp dir is left"
     state = subprocess.run(
         ["scontrol", "show", "job", job_id], env=slurm, capture_output=True, text=True, timeout=30
     ).stdout

@@ -49,7 +49,14 @@ def slurm_node_address() -> str | None:
         return None
     for field in shown.stdout.split():
         if field.startswith("NodeAddr="):
-            return socket.gethostbyname(field.split("=", 1)[1])
+            name = field.split("=", 1)[1]
+            try:
+                return socket.gethostbyname(name)
+            except OSError as exc:
+                raise ValueError(
+                    f"Slurm's NodeAddr {name!r} of node {node} does not resolve ({exc}): set "
+                    "cluster.interface (or VIME_HOST_IP) to pick the node's address"
+                ) from None
     return None
 
 

@@ -96,7 +96,7 @@ def launch_engines(
         group = place_engines(cluster, job, engine.num_engines)
         actors = [
             actor_cls.options(**engine_actor_options(cluster, job, group, rank)).remote(
-                engine, rank=rank, log_dir=log_dir
+                engine, rank=rank, log_dir=log_dir, interface=cluster.interface
             )
             for rank in range(engine.num_engines)
         ]

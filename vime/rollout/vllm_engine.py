@@ -40,12 +40,16 @@ class VLLMEngine:
         url: str | None = None,
         port: int | None = None,
         log_dir: str | None = None,
+        interface: str | None = None,
     ):
+        """`interface`: a launched server binds to this interface's address on the node the
+        engine runs on (else config.host, else the node address; see vime.cluster.addresses)."""
         self.config = config
         self.rank = rank
         self.node_rank = node_rank
         self._external_url = url
         self._port = port
+        self._interface = interface
         self._log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="vime-engine-"))
         self._server: ServerProcess | None = None
         self._url: str | None = None
@@ -62,7 +66,7 @@ class VLLMEngine:
             self._url = url
         else:
             log_path = self._log_dir / f"vllm-engine-{self.rank}.log"
-            host = self.config.host or node_address()
+            host = self.config.host or node_address(interface=self._interface)
             self._server = launch_server(
                 self.config, host=host, port=self._port, log_path=log_path, rank=self.rank
             )
@@ -86,7 +90,10 @@ class VLLMEngine:
         import socket
         import sys
 
-        info = {"hostname": socket.gethostname(), "address": node_address()}
+        info = {
+            "hostname": socket.gethostname(),
+            "address": node_address(interface=self._interface),
+        }
         if "ray" in sys.modules:
             import ray
 
