@@ -52,7 +52,13 @@ class EngineConfig(StrictModel):
         ),
     )
     base_port: int | None = Field(
-        None, ge=1024, le=65535, description="First port for launched servers; None = free ports."
+        None,
+        ge=1024,
+        le=65535,
+        description=(
+            "Launched engine `rank` serves on base_port + rank (open those in the firewall); "
+            "None: a free port each."
+        ),
     )
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "float32", description="vLLM --dtype. Pass it explicitly: auto turns fp32 into bf16 on x86."
@@ -258,7 +264,13 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
 def load_yaml_tree(path: str | Path | None, overrides: list[str] | None = None) -> dict[str, Any]:
     tree: dict[str, Any] = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text())
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise ValueError(f"config file {path}{where}: not valid YAML: {problem}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ValueError(f"config file {path} must hold a mapping at the top level")
         tree = loaded or {}

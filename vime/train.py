@@ -346,6 +346,19 @@ def _run_loop(
     return summary
 
 
+def check_checkpoint(config: TrainConfig) -> None:
+    """The trainer and the tokenizer read engine.model_path: it must be an HF checkpoint directory,
+    unless model.preset builds one there."""
+    path = Path(config.engine.model_path)
+    if config.model.preset is None and not (path / "config.json").is_file():
+        what = "has no config.json" if path.is_dir() else "does not exist"
+        raise ValueError(
+            f"engine.model_path={config.engine.model_path!r} {what}: give the directory of an HF "
+            "checkpoint (config.json, safetensors, tokenizer), or set model.preset to build a "
+            "tiny one there"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="YAML file under configs/")
@@ -357,6 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         config = load_config(TrainConfig, args.config, args.overrides)
+        check_checkpoint(config)
     except (ValueError, OSError) as exc:
         # Fail before any process group, engine or model exists; the message names each field.
         print(f"vime.train: {exc}", file=sys.stderr)

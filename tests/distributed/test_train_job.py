@@ -222,3 +222,36 @@ def test_external_engine_on_another_node_syncs_over_gloo(tmp_path, tiny_model_di
     assert (
         "via 127.0.0.2:" in completed.stderr
     )  # the gloo rendezvous listened on the trainer's node
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("yaml", r"bad\.yaml, line 2, column 13: not valid YAML: mapping values are not allowed"),
+        ("checkpoint", r"engine\.model_path='.*no-such-model' does not exist"),
+    ],
+)
+def test_bad_input_exits_2_before_anything_starts(tmp_path, case, expected):
+    import re
+    import time
+
+    bad = tmp_path / "bad.yaml"
+    text = (REPO_ROOT / "configs" / "tiny_cpu_async.yaml").read_text()
+    overrides = []
+    if case == "yaml":
+        bad.write_text("run_dir: x\nnum_steps: 3: 4\nloop: sync\n")
+    else:
+        bad.write_text(text)
+        overrides = [f"engine.model_path={tmp_path / 'no-such-model'}", "model.preset=null"]
+    start = time.monotonic()
+    completed = subprocess.run(
+        [sys.executable, "-m", "vime.train", "--config", str(bad), *overrides],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 2, completed.stderr[-3000:]
+    assert re.search(expected, completed.stderr), completed.stderr[-3000:]
+    assert "Traceback" not in completed.stderr and "Ray" not in completed.stderr
+    assert time.monotonic() - start < 60

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import os
 import socket
 import threading
 import time
@@ -139,3 +140,58 @@ def test_cpu_server_keeps_freed_memory_unless_told_not_to(monkeypatch):
     assert "glibc.malloc.mmap_max=0" in tunables
     _, env = build_server_command(EngineConfig(model_path="/m", cpu_reuse_freed_memory=False), 1)
     assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+
+
+def test_engine_http_error_survives_pickling():
+    """Ray moves exceptions between processes by pickling them."""
+    import pickle
+
+    error = EngineHTTPError(
+        "POST http://h:1/pause -> HTTP 500", url="http://h:1", status=500, body="x"
+    )
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is EngineHTTPError and str(copy) == str(error)
+    assert (copy.url, copy.status, copy.body) == ("http://h:1", 500, "x")
+
+
+def test_sync_errors_name_ray_engines_by_url():
+    from vime.rollout.ray_engine import RayEngine
+    from vime.rollout.vllm_engine import VLLMEngine
+    from vime.weight_sync.session import describe_engine
+
+    assert (
+        describe_engine(2, RayEngine(object(), url="http://n2:8000")) == "engine 2 (http://n2:8000)"
+    )
+    external = VLLMEngine(EngineConfig(model_path="/m"), url="http://n3:8000")
+    assert describe_engine(0, external) == "engine 0 (http://n3:8000)"
+
+
+def test_base_port_gives_each_launched_engine_its_port():
+    from vime.rollout.vllm_engine import VLLMEngine
+
+    config = EngineConfig(model_path="/m", base_port=28000)
+    assert [VLLMEngine(config, rank=r)._launch_port() for r in range(3)] == [28000, 28001, 28002]
+    assert VLLMEngine(EngineConfig(model_path="/m"))._launch_port() is None
+
+
+def test_stop_ends_the_group_when_its_leader_is_already_dead(tmp_path):
+    """A SIGKILLed api_server leaves its children (EngineCore, workers) in its process group."""
+    import signal
+    import subprocess
+    import time
+
+    from vime.rollout.server import ServerProcess, group_members
+
+    process = subprocess.Popen(
+        ["bash", "-c", "sleep 300 & sleep 300 & wait"], start_new_session=True
+    )
+    deadline = time.monotonic() + 10
+    while len(group_members(process.pid)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    children = set(group_members(process.pid)) - {process.pid}
+    assert len(children) == 2
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert set(group_members(process.pid)) == children  # orphans, still in the group
+    ServerProcess(process=process, url="http://unused", log_path=tmp_path / "log").stop(grace_s=5)
+    assert group_members(process.pid) == []

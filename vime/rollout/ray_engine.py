@@ -22,11 +22,13 @@ logger = logging.getLogger(__name__)
 class RayEngine:
     """Forwards method calls to a Ray actor and waits for the result at most `timeout_s`."""
 
-    def __init__(self, actor: Any, *, timeout_s: float = 600.0):
+    def __init__(self, actor: Any, *, timeout_s: float = 600.0, url: str | None = None):
+        """`url`: the engine's base URL when known, so errors can name it."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self._actor = actor
         self._timeout_s = timeout_s
+        self.url = url
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -109,7 +111,10 @@ def launch_engines(
         raise
     for rank, (url, info) in enumerate(zip(urls, infos, strict=True)):
         logger.info("engine %d at %s on %s", rank, url, info)
-    engines = [RayEngine(actor, timeout_s=call_timeout_s) for actor in actors]
+    engines = [
+        RayEngine(actor, timeout_s=call_timeout_s, url=url)
+        for actor, url in zip(actors, urls, strict=True)
+    ]
     return engines, urls, infos
 
 

@@ -192,19 +192,38 @@ class ServerProcess:
         return self.process.pid
 
     def stop(self, grace_s: float = 15.0) -> None:
-        if self.process.poll() is not None:
-            return
-        # The server leads its own process group (start_new_session), so the group id is its pid:
-        # this ends the server and its engine-core/worker children, never anything else.
+        """End the server's whole process group, whatever the leader's state.
+
+        The server leads its own process group (start_new_session), so the group id is its pid:
+        this ends the server and its engine-core/worker children, never anything else. The group
+        outlives its leader while any child lives (a killed api_server leaves EngineCore and its
+        workers behind), so it is signalled even when the leader has already exited.
+        """
         pgid = self.process.pid
         _signal_group(pgid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            _signal_group(pgid, signal.SIGKILL)
-            self.process.wait(timeout=grace_s)
-        # Children may outlive the leader by a moment; make sure none stays behind.
+        deadline = time.monotonic() + grace_s
+        while group_members(pgid) and time.monotonic() < deadline:
+            self.process.poll()  # reap the leader, so it stops counting as a member
+            time.sleep(0.1)
         _signal_group(pgid, signal.SIGKILL)
+        self.process.wait(timeout=grace_s)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`, read from /proc."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # After the command: state, ppid, pgrp, ...
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -68,12 +68,19 @@ class VLLMEngine:
             log_path = self._log_dir / f"vllm-engine-{self.rank}.log"
             host = self.config.host or node_address(interface=self._interface)
             self._server = launch_server(
-                self.config, host=host, port=self._port, log_path=log_path, rank=self.rank
+                self.config, host=host, port=self._launch_port(), log_path=log_path, rank=self.rank
             )
             self._url = self._server.url
         self.startup_s = time.monotonic() - start
         logger.info("engine %d ready at %s in %.1f s", self.rank, self._url, self.startup_s)
         return self._url
+
+    def _launch_port(self) -> int | None:
+        if self._port is not None:
+            return self._port
+        if self.config.base_port is not None:
+            return self.config.base_port + self.rank
+        return None
 
     @property
     def url(self) -> str:

@@ -15,7 +15,9 @@ MAX_BODY_CHARS = 2000
 class EngineHTTPError(RuntimeError):
     """An HTTP call to an engine failed: unreachable, timed out, or answered with an error."""
 
-    def __init__(self, message: str, *, url: str, status: int | None = None, body: str = ""):
+    def __init__(self, message: str, *, url: str = "", status: int | None = None, body: str = ""):
+        # url has a default so the error survives pickling (Ray passes it between processes:
+        # an exception is rebuilt from its args, then its fields are restored).
         super().__init__(message)
         self.url = url
         self.status = status

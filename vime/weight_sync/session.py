@@ -64,7 +64,9 @@ class SyncReport:
 
 
 def describe_engine(index: int, engine: Any) -> str:
-    url = getattr(engine, "_url", None) or getattr(engine, "_external_url", None)
+    # Read the instance's own fields: a RayEngine forwards unknown attributes to its actor.
+    fields = vars(engine)
+    url = fields.get("url") or fields.get("_url") or fields.get("_external_url")
     return f"engine {index}" + (f" ({url})" if url else "")
 
 
