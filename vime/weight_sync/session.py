@@ -65,7 +65,7 @@ class SyncReport:
 
 def describe_engine(index: int, engine: Any) -> str:
     # Read the instance's own fields: a RayEngine forwards unknown attributes to its actor.
-    fields = vars(engine)
+    fields = getattr(engine, "__dict__", {})
     url = fields.get("url") or fields.get("_url") or fields.get("_external_url")
     return f"engine {index}" + (f" ({url})" if url else "")
 
