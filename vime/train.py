@@ -119,31 +119,34 @@ def _launch_engines(config: TrainConfig, run_dir: Path, address: str):
     return engines, urls, infos
 
 
-def _check_reachable(config: TrainConfig, address: str, urls: list[str], infos: list[dict]):
+def _engine_machines(config: TrainConfig, urls: list[str], infos: list[dict]) -> list[str]:
+    """The machine (hostname) each engine runs on. An external engine's machine is unknown: a
+    loopback URL means this machine, any other URL counts as another one."""
+    hostname = socket.gethostname()
+    if not config.engine.external_urls:
+        return [info.get("hostname", hostname) for info in infos]
+    hosts = [urlsplit(url).hostname or "" for url in urls]
+    return [hostname if is_loopback(host) else host for host in hosts]
+
+
+def _check_reachable(
+    config: TrainConfig, address: str, urls: list[str], engine_machines: list[str]
+) -> None:
     """Every rank: the engines can reach this node's rendezvous, rank 0 the engines' URLs."""
     hostname = socket.gethostname()
-    engine_hosts = []
-    for url, info in zip(urls, infos, strict=True):
+    for url, machine in zip(urls, engine_machines, strict=True):
         url_host = urlsplit(url).hostname or ""
-        # An external engine's machine is unknown: a non-loopback URL counts as another one.
-        engine_host = (
-            info.get("hostname", hostname)
-            if not config.engine.external_urls
-            else (hostname if is_loopback(url_host) else url_host)
-        )
-        engine_hosts.append(engine_host)
-        check_reachable(url_host, "engine.host", own_host=engine_host, peer_hosts=[hostname])
+        check_reachable(url_host, "engine.host", own_host=machine, peer_hosts=[hostname])
     if config.weight_sync.mode == "distributed":
-        field = (
-            "weight_sync.master_address"
-            if config.weight_sync.master_address
-            else ("the node address (cluster.node_address / VIME_HOST_IP / cluster.interface)")
-        )
+        if config.weight_sync.master_address:
+            field = "weight_sync.master_address"
+        else:
+            field = "the node address (cluster.node_address / VIME_HOST_IP / cluster.interface)"
         check_reachable(
             config.weight_sync.master_address or address,
             field,
             own_host=hostname,
-            peer_hosts=engine_hosts,
+            peer_hosts=engine_machines,
         )
 
 
@@ -231,10 +234,10 @@ def run(config: TrainConfig) -> dict[str, Any]:
     completed = False
     try:
         urls, infos = _broadcast_object((urls, infos), sync_group)
-        _check_reachable(config, address, urls, infos)
-        hostname = socket.gethostname()
-        num_local_engines = sum(
-            not config.engine.external_urls and info.get("hostname") == hostname for info in infos
+        engine_machines = _engine_machines(config, urls, infos)
+        _check_reachable(config, address, urls, engine_machines)
+        num_local_engines = (
+            0 if config.engine.external_urls else engine_machines.count(socket.gethostname())
         )
         summary = _run_loop(
             config, rank, run_dir, trainer, topology, sync_group, engines, urls, num_local_engines

@@ -3,8 +3,8 @@
 Each command resolves this node's address (vime.cluster.addresses), exports it as VIME_HOST_IP,
 and replaces itself with the real program, so Slurm tracks and signals that program directly:
 
-    python -m vime.cluster.node ray --head --port 6379 [--engine-node]
-    python -m vime.cluster.node ray --address 10.0.0.5:6379 [--engine-node]
+    python -m vime.cluster.node ray --head --port 6379 [--engine-resource NAME] [--temp-dir D]
+    python -m vime.cluster.node ray --address 10.0.0.5:6379 [--engine-resource NAME]
     python -m vime.cluster.node wait --address 10.0.0.5:6379 --nodes n1,n2 --timeout 180
     python -m vime.cluster.node trainer --nnodes 2 --nproc-per-node 8 \
         --rdzv-endpoint 10.0.0.5:29400 --rdzv-id 1234 -- --config CFG [a.b=value ...]
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 from vime.cluster.addresses import HOST_IP_ENV, node_address
 from vime.cluster.ray_cluster import ENGINE_RESOURCE_UNITS, NODE_RESOURCE_PREFIX
@@ -99,7 +98,6 @@ def trainer_argv(
 
 def _exec(argv: list[str], address: str) -> None:
     os.environ[HOST_IP_ENV] = address
-    sys.stdout.flush()
     print(f"vime.cluster.node: {slurm_node_name()} ({address}): {' '.join(argv)}", flush=True)
     os.execvp(argv[0], argv)
 
@@ -149,7 +147,6 @@ def main(argv: list[str] | None = None) -> None:
 
         from vime.cluster.ray_cluster import wait_for_nodes
 
-        os.environ[HOST_IP_ENV] = address
         ray.init(address=args.address, _node_ip_address=address, log_to_driver=False)
         try:
             wait_for_nodes(args.nodes.split(","), timeout_s=args.timeout)

@@ -3,7 +3,7 @@
     job = JobIdentity.from_config(cluster)          # namespace "<job_name>-<job_id>"
     connect(cluster, job, node_address="10.0.0.5")  # cluster.ray_address / $RAY_ADDRESS, or a
                                                     # local cluster of the job's own
-    group = place_engines(cluster, num_engines=4)   # one bundle per engine, waits with a timeout
+    group = place_engines(cluster, job, 4)           # one bundle per engine, waits with a timeout
     actor = ray.remote(VLLMEngine).options(**engine_actor_options(cluster, job, group, 0))
 
 `ray.init()` without an address joins whatever cluster the node last knew

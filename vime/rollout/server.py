@@ -19,6 +19,7 @@ from pathlib import Path
 
 import requests
 
+from vime.cluster.addresses import HOST_IP_ENV
 from vime.config import EngineConfig
 from vime.utils.net import free_port
 
@@ -150,7 +151,7 @@ def build_server_command(
         # vLLM's internal queues and vime's gloo backend bind to this address, not to the one the
         # hostname resolves to (on a test node that is loopback; elsewhere the job's network).
         env["VLLM_HOST_IP"] = host
-        env["VIME_HOST_IP"] = host
+        env[HOST_IP_ENV] = host
     if config.weight_transfer_backend == "ipc":
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # pickled IPC handles over HTTP
     if not _has_cuda():

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -94,9 +96,6 @@ class VLLMEngine:
 
     def node_info(self) -> dict[str, str]:
         """Where this engine object runs: hostname, node address, Ray node id (if in Ray)."""
-        import socket
-        import sys
-
         info = {
             "hostname": socket.gethostname(),
             "address": node_address(interface=self._interface),

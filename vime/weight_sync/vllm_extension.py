@@ -48,6 +48,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from vime.cluster.addresses import HOST_IP_ENV
 from vime.utils.rendezvous import gloo_group
 from vime.weight_sync.buckets import Bucket, dtype_name, tensor_digest, unpack
 from vime.weight_sync.transports.gloo import DEFAULT_GROUP_NAME
@@ -216,7 +217,7 @@ class GlooWeightTransferEngine(_BucketEngine):
             rank=rank,
             world_size=init_info.world_size,
             timeout_s=init_info.timeout_s,
-            address=os.environ.get("VIME_HOST_IP") or None,
+            address=os.environ.get(HOST_IP_ENV) or None,
         )
         self._groups[init_info.group_name] = (store, group, timeout)
         logger.info(
