@@ -21,6 +21,7 @@ import requests
 
 from vime.cluster.addresses import HOST_IP_ENV
 from vime.config import EngineConfig
+from vime.rollout.keeper import end_group, group_members, spawn_kept  # noqa: F401
 from vime.utils.net import free_port
 
 logger = logging.getLogger(__name__)
@@ -182,56 +183,44 @@ def read_log_tail(log_path: Path, num_chars: int = LOG_TAIL_CHARS) -> str:
 
 @dataclass
 class ServerProcess:
-    """A server subprocess this process started; `stop` ends its whole process group."""
+    """A server this process started under a keeper (vime.rollout.keeper); `stop` ends its whole
+    process group. The keeper leads the group, so the group id is the keeper's pid."""
 
-    process: subprocess.Popen
+    process: subprocess.Popen  # the keeper
     url: str
     log_path: Path
+    token: str | None = None
 
     @property
     def pid(self) -> int:
+        """The keeper's pid, which is also the process group's id."""
         return self.process.pid
+
+    def server_pid(self) -> int | None:
+        """Pid of the vLLM server process (the keeper's child), None once it is gone."""
+        try:
+            with open(f"/proc/{self.pid}/task/{self.pid}/children") as children:
+                pids = [int(pid) for pid in children.read().split()]
+        except OSError:
+            return None
+        return pids[0] if pids else None
 
     def stop(self, grace_s: float = 15.0) -> None:
         """End the server's whole process group, whatever the leader's state.
 
-        The server leads its own process group (start_new_session), so the group id is its pid:
-        this ends the server and its engine-core/worker children, never anything else. The group
-        outlives its leader while any child lives (a killed api_server leaves EngineCore and its
-        workers behind), so it is signalled even when the leader has already exited.
+        SIGTERM to the keeper, which ends the group and unlinks the segments its processes
+        mapped; if the keeper is gone or does not finish in time, the group is ended from here.
         """
-        pgid = self.process.pid
-        _signal_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while group_members(pgid) and time.monotonic() < deadline:
-            self.process.poll()  # reap the leader, so it stops counting as a member
-            time.sleep(0.1)
-        _signal_group(pgid, signal.SIGKILL)
-        self.process.wait(timeout=grace_s)
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group `pgid`, read from /proc."""
-    members = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
         try:
-            with open(f"/proc/{entry.name}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        # After the command: state, ppid, pgrp, ...
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry.name))
-    return members
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
+            os.kill(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.process.wait(timeout=grace_s + 10)
+        except subprocess.TimeoutExpired:
+            pass
+        end_group(self.pid, grace_s=0.5, reap=self.process.poll)
+        self.process.wait(timeout=grace_s)
 
 
 def launch_server(
@@ -250,11 +239,9 @@ def launch_server(
     cmd, env = build_server_command(config, port, rank, host, node)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
-        process = subprocess.Popen(
-            cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        process = spawn_kept(cmd, env=env, log_file=log_file)
     server = ServerProcess(process=process, url=f"http://{host}:{port}", log_path=log_path)
-    logger.info("launched vLLM pid=%d at %s (log %s)", process.pid, server.url, log_path)
+    logger.info("launched vLLM (keeper pid %d) at %s (log %s)", process.pid, server.url, log_path)
     if node is not None and node.headless:
         return server
     try:

@@ -1,0 +1,122 @@
+"""The keeper ends an engine's whole process group and its /dev/shm files, however it is left.
+
+A fake server stands in for vLLM here (the keeper is generic): it maps a /dev/shm file, as vLLM's
+message queues do, and has a child that ignores SIGTERM, as a stuck worker would. The faults tier
+(tests/faults) checks the same against real vLLM servers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from vime.rollout.keeper import group_members, mapped_shm_files, spawn_kept
+from vime.rollout.server import ServerProcess
+
+pytestmark = pytest.mark.unit
+
+FAKE_SERVER = """
+import mmap, os, subprocess, sys, time
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(fd, 4096)
+mapping = mmap.mmap(fd, 4096)
+stuck = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
+subprocess.Popen([sys.executable, "-c", stuck])
+time.sleep(300)
+"""
+
+OWNER = """
+import sys, time
+from vime.rollout.keeper import spawn_kept
+keeper = spawn_kept([sys.executable, "-c", sys.argv[1], sys.argv[2]], grace_s=1.0)
+print(keeper.pid, flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.fixture
+def shm_path():
+    path = f"/dev/shm/vime-test-keeper-{uuid.uuid4().hex[:8]}"
+    yield path
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+def _wait(predicate, timeout_s: float) -> float:
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"not within {timeout_s} s")
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def _started(pgid: int, shm_path: str) -> None:
+    # keeper, fake server, its stuck child; and the segment mapped
+    _wait(lambda: len(group_members(pgid)) == 3 and mapped_shm_files(group_members(pgid)), 30)
+    assert mapped_shm_files(group_members(pgid)) == {shm_path}
+    time.sleep(1.5)  # the keeper notes mapped segments once a second
+
+
+def test_owner_sigkill_ends_group_and_unlinks_segments(shm_path):
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, FAKE_SERVER, shm_path], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        pgid = int(owner.stdout.readline())
+        _started(pgid, shm_path)
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait()
+        # grace 1 s, then SIGKILL for the child that ignores SIGTERM
+        took = _wait(lambda: not group_members(pgid), 10)
+        assert not os.path.exists(shm_path)
+        print(f"owner SIGKILL -> group ended in {took:.2f} s")
+    finally:
+        owner.kill()
+
+
+def test_server_sigkill_ends_its_orphans(shm_path, tmp_path):
+    with open(tmp_path / "log", "wb") as log:
+        keeper = spawn_kept([sys.executable, "-c", FAKE_SERVER, shm_path], log_file=log, grace_s=1)
+    server = ServerProcess(process=keeper, url="http://unused", log_path=tmp_path / "log")
+    try:
+        _started(keeper.pid, shm_path)
+        os.kill(server.server_pid(), signal.SIGKILL)
+        took = _wait(lambda: keeper.poll() is not None, 10)
+        assert group_members(keeper.pid) == []
+        assert not os.path.exists(shm_path)
+        assert keeper.returncode != 0
+        assert "server exited with code -9" in (tmp_path / "log").read_text()
+        print(f"server SIGKILL -> group ended in {took:.2f} s")
+    finally:
+        server.stop(grace_s=1)
+
+
+def test_stop_ends_group_and_unlinks_segments(shm_path, tmp_path):
+    with open(tmp_path / "log", "wb") as log:
+        keeper = spawn_kept([sys.executable, "-c", FAKE_SERVER, shm_path], log_file=log, grace_s=1)
+    server = ServerProcess(process=keeper, url="http://unused", log_path=tmp_path / "log")
+    _started(keeper.pid, shm_path)
+    server.stop(grace_s=1)
+    assert group_members(keeper.pid) == []
+    assert not os.path.exists(shm_path)
+
+
+def test_keeper_sigkill_takes_the_server_with_it(shm_path, tmp_path):
+    with open(tmp_path / "log", "wb") as log:
+        keeper = spawn_kept([sys.executable, "-c", FAKE_SERVER, shm_path], log_file=log, grace_s=1)
+    server = ServerProcess(process=keeper, url="http://unused", log_path=tmp_path / "log")
+    _started(keeper.pid, shm_path)
+    server_pid = server.server_pid()
+    os.kill(keeper.pid, signal.SIGKILL)
+    keeper.wait()
+    _wait(lambda: server_pid not in group_members(keeper.pid), 5)  # PR_SET_PDEATHSIG
+    server.stop(grace_s=1)  # the orphaned stuck child is still the group's: stop ends it
+    assert group_members(keeper.pid) == []
+    # (The segment stays: only the dead server mapped it, and only the keeper had noted it.)
