@@ -95,7 +95,34 @@ class EngineConfig(StrictModel):
     extra_env: dict[str, str] = Field(
         default_factory=dict, description="Further environment variables for the server."
     )
+    auth_token: str | None = Field(
+        None,
+        repr=False,
+        exclude=True,  # never written to config.resolved.json
+        description=(
+            "Token every engine route requires (Authorization: Bearer ...). None: each job makes "
+            "one for the engines it launches; external engines: the token they were started with "
+            "(their server needs --middleware vime.rollout.auth.TokenMiddleware and "
+            "$VIME_ENGINE_TOKEN), or None if they have none."
+        ),
+    )
     startup_timeout_s: float = Field(600.0, gt=0, description="Deadline for /health after launch.")
+    external_check_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        description="Deadline for an external URL to answer as a vLLM server in dev mode.",
+    )
+    progress_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description=(
+            "An engine whose EngineCore answers no probe (GET /is_paused) for this long is "
+            "stalled: the job stops naming it."
+        ),
+    )
+    watchdog_interval_s: float = Field(
+        2.0, gt=0, description="How often the job probes each engine (GET /health, /is_paused)."
+    )
     request_timeout_s: float = Field(
         120.0, gt=0, description="Timeout of every control-plane HTTP call (pause, update, ...)."
     )

@@ -32,7 +32,7 @@ async def pause_resume_demo(engine: VLLMEngine, num_requests: int, max_tokens: i
         progress[result.request_id] = len(result.token_ids)
 
     sampling = SamplingConfig(max_tokens=max_tokens, temperature=1.0, seed=0, ignore_eos=True)
-    async with GenerationClient([engine.url]) as client:
+    async with GenerationClient([engine.url], token=engine.auth_token) as client:
         tasks = [
             asyncio.create_task(client.generate([11, 22, 33, i], sampling, on_tokens=on_tokens))
             for i in range(num_requests)

@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -37,7 +38,10 @@ from vime.config import EngineConfig, StrictModel, WeightSyncConfig, load_config
 from vime.rl.loss import GRPOConfig
 from vime.rl.metrics import MetricsWriter, prefixed
 from vime.rl.rollout import RolloutConfig
+from vime.rollout.auth import new_token
+from vime.rollout.watchdog import EngineWatchdog
 from vime.trainer import TrainerConfig
+from vime.utils.lifetime import watch_parent
 from vime.utils.net import is_loopback
 
 logger = logging.getLogger("vime.train")
@@ -95,6 +99,44 @@ class TrainConfig(StrictModel):
         return self
 
 
+ABORT_EXIT_CODE = 3
+
+
+class _Abort:
+    """Ends this rank at once, from any thread (a dead or stalled engine, a dead launcher): names
+    why on stderr and in run_dir/failure.json, kills the engine actors this rank owns (their
+    keepers end the servers) and exits with ABORT_EXIT_CODE; torchrun then ends the other ranks.
+    The main thread may be blocked in a call that never returns, so nothing waits for it."""
+
+    def __init__(self) -> None:
+        self.run_dir: Path | None = None
+        self.engines: list[Any] = []
+        self._once = threading.Lock()
+
+    def __call__(self, message: str) -> None:
+        if not self._once.acquire(blocking=False):
+            return
+        logger.error("aborting the job: %s", message)
+        print(f"vime.train: {message}", file=sys.stderr, flush=True)
+        if self.run_dir is not None:
+            failure = {
+                "error": message,
+                "rank": int(os.environ.get("RANK", "0")),
+                "time": time.time(),
+            }
+            (self.run_dir / "failure.json").write_text(json.dumps(failure, indent=2))
+        for engine in self.engines:
+            try:
+                engine.kill()
+            except Exception as exc:  # noqa: BLE001 (best effort: the keepers end them anyway)
+                logger.warning("could not kill %s: %s", engine, exc)
+        logging.shutdown()
+        os._exit(ABORT_EXIT_CODE)
+
+
+abort = _Abort()
+
+
 def _init_distributed(config: TrainConfig) -> tuple[int, int]:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = timedelta(seconds=config.weight_sync.barrier_timeout_s)
@@ -117,6 +159,12 @@ def _launch_engines(config: TrainConfig, run_dir: Path, address: str):
         json.dumps([{"url": url, **info} for url, info in zip(urls, infos, strict=True)], indent=2)
     )
     return engines, urls, infos
+
+
+def _with_engine_token(config: TrainConfig, token: str | None) -> TrainConfig:
+    """The job's engine token (vime.rollout.auth) in the config every engine client reads."""
+    engine = config.engine.model_copy(update={"auth_token": token})
+    return config.model_copy(update={"engine": engine})
 
 
 def _engine_machines(config: TrainConfig, urls: list[str], infos: list[dict]) -> list[str]:
@@ -230,10 +278,23 @@ def run(config: TrainConfig) -> dict[str, Any]:
         dp_group=dp_group,
     )
 
+    if rank == 0 and not config.engine.external_urls and config.engine.auth_token is None:
+        config = _with_engine_token(config, new_token())
     engines, urls, infos = _launch_engines(config, run_dir, address) if rank == 0 else ([], [], [])
+    abort.run_dir, abort.engines = (run_dir, engines) if rank == 0 else (None, [])
     completed = False
+    watchdog = None
     try:
-        urls, infos = _broadcast_object((urls, infos), sync_group)
+        urls, infos, token = _broadcast_object((urls, infos, config.engine.auth_token), sync_group)
+        config = _with_engine_token(config, token)
+        if rank == 0:
+            watchdog = EngineWatchdog(
+                urls,
+                lambda failure: abort(str(failure)),
+                token=token,
+                interval_s=config.engine.watchdog_interval_s,
+                progress_timeout_s=config.engine.progress_timeout_s,
+            ).start()
         engine_machines = _engine_machines(config, urls, infos)
         _check_reachable(config, address, urls, engine_machines)
         num_local_engines = (
@@ -244,6 +305,8 @@ def run(config: TrainConfig) -> dict[str, Any]:
         )
         completed = True
     finally:
+        if watchdog is not None:
+            watchdog.stop()  # before the engines end on purpose
         if rank == 0:
             import ray
 
@@ -285,7 +348,7 @@ def _run_loop(
     rollouts = None
     writer = None
     if rank == 0:
-        client = GenerationClient(urls)
+        client = GenerationClient(urls, token=config.engine.auth_token)
         rollouts = RolloutThread(config.rollout, client=client, tokenizer=tokenizer)
         writer = MetricsWriter(run_dir)
     summary: dict[str, Any] = {}
@@ -378,6 +441,8 @@ def main(argv: list[str] | None = None) -> None:
         # Fail before any process group, engine or model exists; the message names each field.
         print(f"vime.train: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    # torchrun SIGKILLed would leave this rank running on, unattended.
+    watch_parent(abort)
     summary = run(config)
     if summary:
         print(json.dumps(summary, indent=2))

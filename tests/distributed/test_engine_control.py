@@ -12,6 +12,7 @@ import time
 import pytest
 import ray
 import requests
+from engine_token import HEADERS, TOKEN
 
 from vime.config import EngineConfig
 from vime.rollout.generation import GenerationClient, SamplingConfig
@@ -38,7 +39,10 @@ def ray_engines(small_model_dir, tmp_path_factory):
     """Two engines, each a Ray actor that launched its own server."""
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     config = EngineConfig(
-        model_path=str(small_model_dir), max_model_len=MAX_MODEL_LEN, num_engines=2
+        model_path=str(small_model_dir),
+        max_model_len=MAX_MODEL_LEN,
+        num_engines=2,
+        auth_token=TOKEN,
     )
     log_dir = str(tmp_path_factory.mktemp("engine-logs"))
     actor_cls = ray.remote(num_cpus=0)(VLLMEngine)
@@ -54,7 +58,7 @@ def ray_engines(small_model_dir, tmp_path_factory):
 
 async def warm_up(urls: list[str]) -> None:
     """The first batch on a fresh CPU engine is seconds slower than the rest; take it here."""
-    async with GenerationClient(urls) as client:
+    async with GenerationClient(urls, token=TOKEN) as client:
         prompts = [PROMPT + [i] for i in range(NUM_STREAMING)]
         for engine_index in range(len(urls)):
             await asyncio.gather(
@@ -71,7 +75,7 @@ async def warm_up(urls: list[str]) -> None:
 def engine(ray_engines, small_model_dir):
     """The first server, reached by URL from this process."""
     _, urls = ray_engines
-    config = EngineConfig(model_path=str(small_model_dir), request_timeout_s=60)
+    config = EngineConfig(model_path=str(small_model_dir), request_timeout_s=60, auth_token=TOKEN)
     local = VLLMEngine(config, url=urls[0])
     local.init()
     yield local
@@ -90,7 +94,7 @@ def streaming_sampling(max_tokens: int = 300) -> SamplingConfig:
 
 def server_generated_tokens(url: str) -> float:
     """The server's own count of generated tokens (Prometheus /metrics); use it while idle."""
-    text = requests.get(f"{url}/metrics", timeout=30).text
+    text = requests.get(f"{url}/metrics", timeout=30, headers=HEADERS).text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -143,7 +147,7 @@ def test_generate_returns_ids_logprobs_and_versions(engine):
     greedy = SamplingConfig(max_tokens=12, temperature=0.0)
 
     async def run():
-        async with GenerationClient([engine.url]) as client:
+        async with GenerationClient([engine.url], token=TOKEN) as client:
             plain = await client.generate(PROMPT, greedy)
             streamed = await client.generate(PROMPT, greedy, on_tokens=lambda result: None)
         return plain, streamed
@@ -165,7 +169,7 @@ def test_keep_pause_freezes_and_resume_completes_everything(engine):
 
     async def run():
         first_tokens = FirstTokens()
-        async with GenerationClient([url]) as client:
+        async with GenerationClient([url], token=TOKEN) as client:
             tasks = start_streams(client, sampling=sampling, on_tokens=first_tokens)
             await first_tokens.wait(NUM_STREAMING)
             await asyncio.to_thread(engine.pause_generation, "keep", False)
@@ -198,7 +202,7 @@ def test_abort_pause_returns_partial_results_marked_aborted(engine):
 
     async def run():
         first_tokens = FirstTokens()
-        async with GenerationClient([url]) as client:
+        async with GenerationClient([url], token=TOKEN) as client:
             tasks = start_streams(client, sampling=sampling, on_tokens=first_tokens)
             await first_tokens.wait(NUM_STREAMING)
             await asyncio.to_thread(engine.pause_generation, "abort", True)
@@ -222,7 +226,7 @@ def test_wait_pause_returns_after_running_requests_finish(engine):
 
     async def run():
         base = server_generated_tokens(url)
-        async with GenerationClient([url]) as client:
+        async with GenerationClient([url], token=TOKEN) as client:
             tasks = start_streams(client, sampling=sampling, on_tokens=None)
             await asyncio.sleep(0.5)
             await asyncio.to_thread(engine.pause_generation, "wait", False)
@@ -252,7 +256,7 @@ def test_flush_cache_after_keep_pause(engine):
 
     async def run(clear_cache: bool):
         first_tokens = FirstTokens()
-        async with GenerationClient([url]) as client:
+        async with GenerationClient([url], token=TOKEN) as client:
             tasks = start_streams(client, sampling=sampling, on_tokens=first_tokens)
             await first_tokens.wait(NUM_STREAMING)
             await asyncio.to_thread(engine.pause_generation, "keep", clear_cache)
@@ -295,7 +299,7 @@ def test_two_ray_engines_pause_and_resume_concurrently(ray_engines):
 
     async def run():
         first_tokens = FirstTokens()
-        async with GenerationClient(urls) as client:
+        async with GenerationClient(urls, token=TOKEN) as client:
             tasks = start_streams(
                 client, num_requests=2 * NUM_STREAMING, sampling=sampling, on_tokens=first_tokens
             )

@@ -57,7 +57,7 @@ def rollout_config(**overrides) -> RolloutConfig:
 
 
 async def generate(engine, tokenizer, step, **overrides):
-    async with GenerationClient([engine.url]) as client:
+    async with GenerationClient([engine.url], token=engine.auth_token) as client:
         manager = RolloutManager(rollout_config(**overrides), client=client, tokenizer=tokenizer)
         return await manager.generate_batch(step)
 
@@ -114,7 +114,7 @@ def test_labelled_weight_version_and_lag(engine, tokenizer):
 
 def test_thread_generates_while_caller_works(engine, tokenizer):
     config = rollout_config(max_tokens=32)
-    client = GenerationClient([engine.url])
+    client = GenerationClient([engine.url], token=engine.auth_token)
     with RolloutThread(config, client=client, tokenizer=tokenizer) as rollouts:
         submitted = time.time()
         future = rollouts.submit(step=2)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_token import TOKEN
 from safetensors.torch import load_file, save_file
 from weight_sync_harness import GREEDY_TOKENS, PROMPT_IDS, SyncJob, SyncStep, run_sync_job
 
@@ -54,6 +55,7 @@ def servers(model_dir, model_builder, tmp_path_factory):
                 max_model_len=2048,  # room for the long in-flight request
                 startup_timeout_s=300,
                 request_timeout_s=60,
+                auth_token=TOKEN,
             ),
             rank=index,
             log_dir=log_dir,
@@ -301,7 +303,7 @@ def test_ray_engine_wraps_an_actor_with_timeouts(servers, model_dir):
 
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
-        config = EngineConfig(model_path=model_dir, request_timeout_s=30)
+        config = EngineConfig(model_path=model_dir, request_timeout_s=30, auth_token=TOKEN)
         actor = ray.remote(num_cpus=0)(VLLMEngine).remote(config, url=servers["A"])
         engine = RayEngine(actor, timeout_s=60)
         assert engine.init() == servers["A"]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import requests
 import torch
+from engine_token import HEADERS, TOKEN
 from megatron_harness import init_gloo_rank, spawn_ranks
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=90)
@@ -74,14 +75,16 @@ def perturb(model, topology, optimizer, step: int) -> None:
 
 def completions_greedy(url: str, prompt_ids, max_tokens: int = GREEDY_TOKENS) -> list[int]:
     body = {
-        "model": requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"],
+        "model": requests.get(f"{url}/v1/models", timeout=30, headers=HEADERS).json()["data"][0][
+            "id"
+        ],
         "prompt": list(prompt_ids),
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
         "return_token_ids": True,
     }
-    response = requests.post(f"{url}/v1/completions", json=body, timeout=120)
+    response = requests.post(f"{url}/v1/completions", json=body, timeout=120, headers=HEADERS)
     response.raise_for_status()
     return response.json()["choices"][0]["token_ids"]
 
@@ -101,7 +104,7 @@ class InflightRequest:
                 self.seen_tokens.set()
 
         async def generate() -> None:
-            async with GenerationClient([url], timeout_s=300) as client:
+            async with GenerationClient([url], token=TOKEN, timeout_s=300) as client:
                 sampling = SamplingConfig(
                     max_tokens=INFLIGHT_TOKENS, temperature=0.0, ignore_eos=True
                 )
@@ -181,7 +184,7 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
         record: dict = {"step": step}
         if not step.expect_error:
             perturb(model, topology, optimizer, index)
-        engine_config = EngineConfig(model_path=model_dir, request_timeout_s=60)
+        engine_config = EngineConfig(model_path=model_dir, request_timeout_s=60, auth_token=TOKEN)
         key = (step.mode, step.transport, step.engine_urls, step.clear_cache, model_dir)
         if key not in updaters or step.expect_error:
             engines = []

@@ -21,8 +21,10 @@ from vime.rollout.generation import GenerationClient
 from vime.rollout.vllm_engine import VLLMEngine
 
 
-async def evaluate(config: RolloutConfig, url: str, tokenizer) -> RolloutBatch:
-    async with GenerationClient([url]) as client:
+async def evaluate(
+    config: RolloutConfig, url: str, tokenizer, token: str | None = None
+) -> RolloutBatch:
+    async with GenerationClient([url], token=token) as client:
         manager = RolloutManager(config, client=client, tokenizer=tokenizer)
         return await manager.generate_batch(step=0)
 
@@ -36,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--url", help="an already running server; none is launched")
+    parser.add_argument("--token", help="that server's token ($VIME_ENGINE_TOKEN), if it has one")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -51,12 +54,17 @@ def main(argv: list[str] | None = None) -> None:
         temperature=args.temperature,
     )
     engine = VLLMEngine(
-        EngineConfig(model_path=args.model, max_model_len=512, worker_extension_cls=None),
+        EngineConfig(
+            model_path=args.model,
+            max_model_len=512,
+            worker_extension_cls=None,
+            auth_token=args.token,
+        ),
         url=args.url,
     )
     engine.init()
     try:
-        batch = asyncio.run(evaluate(config, engine.url, tokenizer))
+        batch = asyncio.run(evaluate(config, engine.url, tokenizer, engine.auth_token))
     finally:
         engine.shutdown()
     rewards = batch.rewards

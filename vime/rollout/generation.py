@@ -20,6 +20,8 @@ from typing import Any
 
 import aiohttp
 
+from vime.rollout.auth import auth_headers
+
 
 class GenerationError(RuntimeError):
     """A generate request failed; the message names the engine URL and carries the response body."""
@@ -100,8 +102,14 @@ class GenerationClient:
     """Async client spreading requests over engines (least requests in flight first)."""
 
     def __init__(
-        self, urls: Sequence[str], *, timeout_s: float = 1800.0, connect_timeout_s: float = 10.0
+        self,
+        urls: Sequence[str],
+        *,
+        token: str | None = None,
+        timeout_s: float = 1800.0,
+        connect_timeout_s: float = 10.0,
     ):
+        """`token`: the engines' token (vime.rollout.auth), sent with every request."""
         if not urls:
             raise ValueError("GenerationClient needs at least one engine URL")
         self.urls = [url.rstrip("/") for url in urls]
@@ -109,6 +117,7 @@ class GenerationClient:
         # total covers pauses for weight sync too: a keep-paused request is silent, not dead.
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self._headers = auth_headers(token)
 
     async def __aenter__(self) -> GenerationClient:
         return self
@@ -126,7 +135,9 @@ class GenerationClient:
             # Close idle connections before uvicorn does (its keep-alive timeout is 5 s), so a
             # request is never sent on a connection the server is dropping.
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)
-            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout, connector=connector, headers=self._headers
+            )
         return self._session
 
     def in_flight(self) -> dict[str, int]:
@@ -180,10 +191,12 @@ class GenerationClient:
         result: GenerationResult,
         on_tokens: Callable[[GenerationResult], None] | None,
     ) -> None:
-        endpoint = f"{url}/inference/v1/generate"
+        # Errors name the engine by index and URL (the index is what the job's logs use).
+        endpoint = f"engine {self.urls.index(url)} at {url}/inference/v1/generate"
         spans = None
         try:
-            async with self._get_session().post(endpoint, json=payload) as response:
+            post = self._get_session().post(f"{url}/inference/v1/generate", json=payload)
+            async with post as response:
                 if response.status >= 400:
                     body = (await response.text())[:2000]
                     raise GenerationError(f"POST {endpoint} -> HTTP {response.status}: {body}")

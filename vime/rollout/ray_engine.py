@@ -50,6 +50,13 @@ class RayEngine:
         call.__name__ = name
         return call
 
+    def kill(self) -> None:
+        """End the actor now, even mid-call (its engine's keeper then ends the server, see
+        vime.rollout.keeper): for aborts, when a call in flight may never return."""
+        import ray
+
+        ray.kill(self._actor, no_restart=True)
+
     def __repr__(self) -> str:
         return f"RayEngine({self._actor!r})"
 

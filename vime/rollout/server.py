@@ -21,8 +21,9 @@ import requests
 
 from vime.cluster.addresses import HOST_IP_ENV
 from vime.config import EngineConfig
+from vime.rollout import auth
 from vime.rollout.keeper import end_group, group_members, spawn_kept  # noqa: F401
-from vime.utils.net import free_port
+from vime.utils.net import free_port, is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +98,12 @@ def build_server_command(
     rank: int = 0,
     host: str = "127.0.0.1",
     node: EngineNodeRole | None = None,
+    token: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The argv and environment of engine `rank`'s vLLM server for `config`, on `host:port`.
+
+    `token`: every route then requires it (vime.rollout.auth). The ipc backend unpickles what
+    /update_weights receives, so it is refused without a token and a loopback `host`.
 
     `node`: this process's part of a multi-node engine (config.num_nodes > 1); a headless node
     runs `vllm serve --headless` (vime.rollout.vllm_cli), which serves no HTTP.
@@ -143,6 +148,8 @@ def build_server_command(
         cmd += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     if node is not None:
         cmd += node.args()
+    if token:
+        cmd += ["--middleware", auth.MIDDLEWARE]
     cmd += list(config.extra_args)
 
     env = dict(os.environ)
@@ -153,7 +160,17 @@ def build_server_command(
         # hostname resolves to (on a test node that is loopback; elsewhere the job's network).
         env["VLLM_HOST_IP"] = host
         env[HOST_IP_ENV] = host
+    if token:
+        env[auth.TOKEN_ENV] = token
     if config.weight_transfer_backend == "ipc":
+        if not (token and is_loopback(host)):
+            raise ValueError(
+                "engine.weight_transfer_backend='ipc': vLLM unpickles the IPC handles that "
+                "/update_weights receives, so whoever can POST there runs code as the server's "
+                f"user. vime starts it only on a loopback host with a token (host={host!r}, "
+                f"token {'set' if token else 'missing'}): set engine.host=127.0.0.1 and leave "
+                "engine.auth_token to the job (or set one)"
+            )
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # pickled IPC handles over HTTP
     if not _has_cuda():
         workers_here = config.tensor_parallel_size // config.num_nodes
@@ -231,27 +248,75 @@ def launch_server(
     log_path: Path,
     rank: int = 0,
     node: EngineNodeRole | None = None,
+    token: str | None = None,
 ) -> ServerProcess:
     """Start engine `rank`'s server on `host`; return once /health answers 200, else
     EngineStartError. A headless node of a multi-node engine serves no HTTP: it returns once
     started, and node 0's health says when the whole engine is up."""
     port = port if port is not None else free_port(host)
-    cmd, env = build_server_command(config, port, rank, host, node)
+    cmd, env = build_server_command(config, port, rank, host, node, token)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
         process = spawn_kept(cmd, env=env, log_file=log_file)
-    server = ServerProcess(process=process, url=f"http://{host}:{port}", log_path=log_path)
+    server = ServerProcess(
+        process=process, url=f"http://{host}:{port}", log_path=log_path, token=token
+    )
     logger.info("launched vLLM (keeper pid %d) at %s (log %s)", process.pid, server.url, log_path)
     if node is not None and node.headless:
         return server
     try:
         wait_until_healthy(
-            server.url, timeout_s=config.startup_timeout_s, process=process, log_path=log_path
+            server.url,
+            timeout_s=config.startup_timeout_s,
+            process=process,
+            log_path=log_path,
+            token=token,
         )
     except BaseException:
         server.stop()
         raise
     return server
+
+
+def check_vllm_server(url: str, *, timeout_s: float, token: str | None = None) -> None:
+    """An external URL must answer as a vLLM server with the RL routes (dev mode) within
+    timeout_s; else EngineStartError saying what answered instead."""
+    deadline = time.monotonic() + timeout_s
+    headers = auth.auth_headers(token)
+
+    def get(route: str) -> requests.Response:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise EngineStartError(f"{url} did not answer as a vLLM server within {timeout_s:g} s")
+        try:
+            return requests.get(f"{url}{route}", headers=headers, timeout=min(5.0, remaining))
+        except requests.RequestException as exc:
+            raise EngineStartError(
+                f"{url}: GET {route} failed ({type(exc).__name__}: {exc}); is a vLLM server "
+                "running there?"
+            ) from exc
+
+    wait_until_healthy(url, timeout_s=timeout_s, token=token)
+    version = get("/version")
+    try:
+        is_vllm = version.status_code == 200 and "version" in version.json()
+    except ValueError:
+        is_vllm = False
+    if not is_vllm:
+        raise EngineStartError(
+            f"{url} is not a vLLM server: GET /version -> HTTP {version.status_code} "
+            f"{version.text[:200]!r}"
+        )
+    paused = get("/is_paused")
+    if paused.status_code == 404:
+        raise EngineStartError(
+            f"{url} (vLLM {version.json()['version']}) has no RL control routes: start it with "
+            "VLLM_SERVER_DEV_MODE=1"
+        )
+    if paused.status_code != 200:
+        raise EngineStartError(
+            f"{url}: GET /is_paused -> HTTP {paused.status_code} {paused.text[:200]!r}"
+        )
 
 
 def wait_until_healthy(
@@ -261,6 +326,7 @@ def wait_until_healthy(
     process: subprocess.Popen | None = None,
     log_path: Path | None = None,
     poll_s: float = 0.5,
+    token: str | None = None,
 ) -> float:
     """Poll GET {url}/health until it answers 200; return the seconds waited.
 
@@ -278,9 +344,17 @@ def wait_until_healthy(
                 f"healthy. Log tail ({log_path}):\n{tail}"
             )
         try:
-            response = requests.get(f"{url}/health", timeout=min(5.0, timeout_s))
+            response = requests.get(
+                f"{url}/health", timeout=min(5.0, timeout_s), headers=auth.auth_headers(token)
+            )
             if response.status_code == 200:
                 return time.monotonic() - start
+            if response.status_code == 401:
+                raise EngineStartError(
+                    f"{url}/health answered 401: the server wants a token that "
+                    f"{'differs from engine.auth_token' if token else 'was not given'}; set "
+                    "engine.auth_token to the token the server was started with"
+                )
             last_error = f"HTTP {response.status_code}: {response.text[:200]}"
         except requests.RequestException as exc:
             last_error = str(exc)

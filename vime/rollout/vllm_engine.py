@@ -20,7 +20,8 @@ from typing import Any
 
 from vime.cluster.addresses import node_address
 from vime.config import EngineConfig, PauseMode
-from vime.rollout.server import ServerProcess, launch_server, wait_until_healthy
+from vime.rollout.auth import auth_headers, new_token
+from vime.rollout.server import ServerProcess, check_vllm_server, launch_server
 from vime.utils.http import EngineHTTPError, request_json
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,8 @@ class VLLMEngine:
         self._log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="vime-engine-"))
         self._server: ServerProcess | None = None
         self._url: str | None = None
+        # A launched server always gets a token (the configured one, else a fresh one).
+        self._token = config.auth_token if url is not None else config.auth_token or new_token()
         self.startup_s: float | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -64,13 +67,20 @@ class VLLMEngine:
         start = time.monotonic()
         if self._external_url is not None:
             url = self._external_url.rstrip("/")
-            wait_until_healthy(url, timeout_s=self.config.request_timeout_s)
+            check_vllm_server(
+                url, timeout_s=self.config.external_check_timeout_s, token=self._token
+            )
             self._url = url
         else:
             log_path = self._log_dir / f"vllm-engine-{self.rank}.log"
             host = self.config.host or node_address(interface=self._interface)
             self._server = launch_server(
-                self.config, host=host, port=self._launch_port(), log_path=log_path, rank=self.rank
+                self.config,
+                host=host,
+                port=self._launch_port(),
+                log_path=log_path,
+                rank=self.rank,
+                token=self._token,
             )
             self._url = self._server.url
         self.startup_s = time.monotonic() - start
@@ -89,6 +99,14 @@ class VLLMEngine:
         if self._url is None:
             raise RuntimeError(f"engine {self.rank} has no URL yet: call init() first")
         return self._url
+
+    @property
+    def auth_token(self) -> str | None:
+        """The token every route of this engine requires (None: an external engine without)."""
+        return self._token
+
+    def auth_headers(self) -> dict[str, str]:
+        return auth_headers(self._token)
 
     def get_url(self) -> str:
         """The base URL (a method, so Ray actor callers can ask for it)."""
@@ -126,7 +144,7 @@ class VLLMEngine:
         if self.node_rank != 0:
             return True
         try:
-            request_json("GET", f"{self.url}/health", timeout_s=5.0)
+            request_json("GET", f"{self.url}/health", timeout_s=5.0, headers=self.auth_headers())
         except EngineHTTPError:
             return False
         return True
@@ -150,13 +168,20 @@ class VLLMEngine:
         """
         if self.node_rank != 0:
             return None
-        return request_json(
-            method,
-            f"{self.url}/{endpoint.lstrip('/')}",
-            params=params,
-            json=json,
-            timeout_s=timeout_s if timeout_s is not None else self.config.request_timeout_s,
-        )
+        try:
+            return request_json(
+                method,
+                f"{self.url}/{endpoint.lstrip('/')}",
+                params=params,
+                json=json,
+                timeout_s=timeout_s if timeout_s is not None else self.config.request_timeout_s,
+                headers=self.auth_headers(),
+            )
+        except EngineHTTPError as exc:
+            # Name the engine by its index too (the job's logs and metrics use it).
+            raise EngineHTTPError(
+                f"engine {self.rank}: {exc}", url=exc.url, status=exc.status, body=exc.body
+            ) from exc
 
     # ---- pause / resume --------------------------------------------------------------------
 

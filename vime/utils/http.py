@@ -32,6 +32,7 @@ def request_json(
     params: dict[str, Any] | None = None,
     json: Any = None,
     session: requests.Session | None = None,
+    headers: dict[str, str] | None = None,
 ) -> Any:
     """Send one request and return the decoded JSON body (None for an empty body).
 
@@ -40,7 +41,9 @@ def request_json(
     """
     sender = session if session is not None else requests
     try:
-        response = sender.request(method, url, params=params, json=json, timeout=timeout_s)
+        response = sender.request(
+            method, url, params=params, json=json, headers=headers, timeout=timeout_s
+        )
     except requests.Timeout as exc:
         raise EngineHTTPError(f"{method} {url} timed out after {timeout_s:g} s", url=url) from exc
     except requests.ConnectionError as exc:

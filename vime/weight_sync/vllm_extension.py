@@ -33,6 +33,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 import time
 import warnings
 from collections.abc import Iterator
@@ -52,7 +53,7 @@ from vime.cluster.addresses import HOST_IP_ENV
 from vime.utils.rendezvous import gloo_group
 from vime.weight_sync.buckets import Bucket, dtype_name, tensor_digest, unpack
 from vime.weight_sync.transports.gloo import DEFAULT_GROUP_NAME
-from vime.weight_sync.transports.shm import SHM_DIR
+from vime.weight_sync.transports.shm import SHM_DIR, check_segment_name
 
 logger = logging.getLogger(__name__)
 
@@ -282,6 +283,15 @@ class GlooWeightTransferEngine(_BucketEngine):
         self._pool.clear()
 
 
+def _check_private(path: str, info: os.stat_result) -> None:
+    """A segment is mapped only if it is a regular file of this user that no one else can write."""
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(
+            f"shm segment {path} is not a private regular file of uid {os.getuid()} (uid "
+            f"{info.st_uid}, mode {stat.filemode(info.st_mode)}): vime's segments are 0600"
+        )
+
+
 class ShmWeightTransferEngine(_BucketEngine):
     """Loads buckets straight from the trainer's POSIX shared-memory segments (same host).
 
@@ -302,9 +312,14 @@ class ShmWeightTransferEngine(_BucketEngine):
         self._used: set[str] = set()  # segment names this sync read
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
-        if not os.path.isdir(init_info.shm_dir):
-            raise ValueError(f"shm_dir {init_info.shm_dir!r} is not a directory on this host")
-        self._shm_dir = init_info.shm_dir
+        # Whoever reaches the route chooses shm_dir and the names: only vime's own segments in
+        # /dev/shm, owned by this user and private to it, are ever mapped into the weights.
+        if os.path.realpath(init_info.shm_dir) != SHM_DIR:
+            raise ValueError(
+                f"shm_dir {init_info.shm_dir!r} is not {SHM_DIR}: the shm backend maps vime's "
+                f"segments from {SHM_DIR} only"
+            )
+        self._shm_dir = SHM_DIR
         self._mappings.clear()
 
     def start_weight_update(self) -> None:
@@ -319,15 +334,17 @@ class ShmWeightTransferEngine(_BucketEngine):
     def _mapping(self, name: str, nbytes: int) -> torch.Tensor:
         mapping = self._mappings.get(name)
         if mapping is None or mapping.numel() < nbytes:
+            check_segment_name(name)
             path = os.path.join(self._shm_dir, name)
             try:
-                with open(path, "rb") as segment:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+                try:
+                    _check_private(path, os.fstat(fd))
                     buffer = mmap.mmap(
-                        segment.fileno(),
-                        0,
-                        flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                        prot=mmap.PROT_READ,
+                        fd, 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ
                     )
+                finally:
+                    os.close(fd)
             except FileNotFoundError:
                 raise FileNotFoundError(
                     f"shm segment {path} does not exist and is not mapped by this worker (a "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +39,48 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 SEGMENT_MODE = 0o600
+# vime's segment names: <prefix>-<creator pid>-<8 hex>-<n>. The engine maps nothing else, and the
+# start-up sweep removes only these (of this user, whose creator is gone).
+SEGMENT_PREFIX = re.compile(r"vime(-pp_\d+)?")
+SEGMENT_NAME = re.compile(r"(?P<prefix>vime(-pp_\d+)?)-(?P<pid>\d+)-[0-9a-f]{8}-\d+")
+
+
+def check_segment_name(name: str) -> None:
+    if not SEGMENT_NAME.fullmatch(name):
+        raise ValueError(
+            f"shm segment name {name!r} is not one of vime's "
+            "(vime[-pp_K]-<pid>-<8 hex>-<n>): the shm backend maps nothing else"
+        )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink vime's segments in shm_dir that this user owns and whose creator has exited (a
+    trainer SIGKILLed mid-sync leaves the names of the buckets no engine acknowledged)."""
+    removed = []
+    for entry in os.scandir(shm_dir):
+        match = SEGMENT_NAME.fullmatch(entry.name)
+        if match is None or _alive(int(match["pid"])):
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            os.unlink(entry.path)
+            removed.append(entry.name)
+        except OSError:
+            continue
+    if removed:
+        logger.info("removed %d stale vime segments from %s: %s", len(removed), shm_dir, removed)
+    return removed
 
 
 @dataclass
@@ -56,7 +99,10 @@ class ShmTransport(Transport):
         super().__init__(timeout_s=timeout_s)
         if not os.path.isdir(shm_dir):
             raise ValueError(f"shm_dir {shm_dir!r} is not a directory")
+        if not SEGMENT_PREFIX.fullmatch(prefix):
+            raise ValueError(f"shm segment prefix {prefix!r} is not 'vime' or 'vime-pp_K'")
         self.shm_dir = shm_dir
+        sweep_stale_segments(shm_dir)
         self.prefix = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._num_segments = 0
         self._segments: dict[int, _Segment] = {}  # bucket index -> its segment
