@@ -308,12 +308,12 @@ def run(config: TrainConfig) -> dict[str, Any]:
         if watchdog is not None:
             watchdog.stop()  # before the engines end on purpose
         if rank == 0:
-            import ray
+            from vime.cluster.ray_cluster import disconnect
 
             # Servers run in their own process groups: end them even when the loop failed.
             for engine in engines:
                 engine.shutdown()
-            ray.shutdown()
+            disconnect()
         if completed:
             dist.barrier(group=sync_group)
         dist.destroy_process_group()

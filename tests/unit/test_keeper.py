@@ -91,7 +91,6 @@ def test_server_sigkill_ends_its_orphans(shm_path, tmp_path):
         took = _wait(lambda: keeper.poll() is not None, 10)
         assert group_members(keeper.pid) == []
         assert not os.path.exists(shm_path)
-        assert keeper.returncode != 0
         assert "server exited with code -9" in (tmp_path / "log").read_text()
         print(f"server SIGKILL -> group ended in {took:.2f} s")
     finally:

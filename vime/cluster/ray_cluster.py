@@ -15,6 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
+import signal
+import socket
+import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -86,13 +91,77 @@ def connect(
         ray.init(address=address, **common)
         logger.info("joined Ray at %s, namespace %s", address, job.namespace)
         return False
-    resources = (
-        {cluster.engine_resource: ENGINE_RESOURCE_UNITS} if cluster.engine_resource else None
-    )
-    # address="local": a new cluster of this job's own, even if the node knows another one.
-    ray.init(address="local", include_dashboard=False, resources=resources, **common)
-    logger.info("started a local Ray cluster at %s, namespace %s", node_address, job.namespace)
+    address = _start_local_head(cluster, node_address)
+    _init_when_up(address, common)
+    logger.info("started a local Ray cluster at %s, namespace %s", address, job.namespace)
     return True
+
+
+# The local Ray head this process started (connect without an address), under a keeper.
+_local_head: dict[str, Any] = {}
+
+
+def _start_local_head(cluster: ClusterConfig, node_address: str) -> str:
+    """`ray start --head --block` of this job's own, under a keeper (vime.rollout.keeper) owned by
+    this process: however this process ends, the keeper ends every Ray process of the cluster
+    (`ray.init(address="local")` leaves Ray's agents running for minutes when its driver is
+    SIGKILLed). Its own temp dir (no "current cluster" file another job would find) and token."""
+    from vime.cluster.node import ray_start_argv
+    from vime.rollout.keeper import spawn_kept
+    from vime.utils.net import free_port
+
+    port = free_port(node_address)
+    temp_dir = tempfile.mkdtemp(prefix="vime-ray-")  # short: Ray's socket paths must fit 107 chars
+    argv = ray_start_argv(
+        address=node_address,
+        node_name=socket.gethostname(),
+        head_port=port,
+        engine_resource=cluster.engine_resource,
+        temp_dir=temp_dir,
+    )
+    ray_cli = [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; main()"]
+    # Token auth for the head, its processes and this driver. Ray caches both the mode and the
+    # token at import: refresh them as ray.init(address="local") itself does.
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    from ray._private.authentication.authentication_token_setup import _enable_token_auth
+    from ray._raylet import AuthenticationTokenLoader
+
+    _enable_token_auth()
+    AuthenticationTokenLoader.instance().reset_cache()
+    with open(os.path.join(temp_dir, "ray-head.log"), "ab") as log:
+        head = spawn_kept(
+            [*ray_cli, *argv[1:]], env=dict(os.environ), log_file=log, remove_dir=temp_dir
+        )
+    _local_head.update(keeper=head, temp_dir=temp_dir)
+    return f"{node_address}:{port}"
+
+
+def _init_when_up(address: str, common: dict[str, Any], timeout_s: float = 120.0) -> None:
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.init(address=address, **common)
+            return
+        except (ConnectionError, RuntimeError) as exc:
+            if time.monotonic() > deadline:
+                log = os.path.join(_local_head.get("temp_dir", "?"), "ray-head.log")
+                raise RuntimeError(
+                    f"local Ray head at {address} not up within {timeout_s:g} s (log {log}): {exc}"
+                ) from exc
+            time.sleep(1.0)
+
+
+def disconnect() -> None:
+    """Leave Ray; stop the local head this process started (and remove its temp dir)."""
+    import ray
+
+    ray.shutdown()
+    head = _local_head.pop("keeper", None)
+    if head is not None:
+        head.send_signal(signal.SIGTERM)
+        head.wait(timeout=60)  # the keeper removes the temp dir last
 
 
 def engine_bundle(cluster: ClusterConfig) -> dict[str, float]:

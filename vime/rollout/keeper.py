@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +33,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 POLL_S = 0.2
+SPAWN_TIMEOUT_S = 60.0
 SEGMENT_SCAN_EVERY = 5  # polls: the group's mapped /dev/shm files are noted once a second
 SHM_DIR = "/dev/shm"
 PR_SET_CHILD_SUBREAPER = 36
@@ -114,19 +117,73 @@ def end_group(
     return unlink_owned(segments)
 
 
+class KeptProcess:
+    """A keeper this process started (not its child: the keeper detaches itself). Waits use a
+    pidfd, so a reused pid is never mistaken for the keeper. Popen-like: pid, poll(), wait()."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self._pidfd = os.pidfd_open(pid)
+        self.returncode: int | None = None  # 0 once gone (a non-child's exit code is not known)
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._pidfd], [], [], 0)[0]:
+            self.returncode = 0
+            os.close(self._pidfd)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"keeper {self.pid}", timeout)
+            select.select([self._pidfd], [], [], left)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            signal.pidfd_send_signal(self._pidfd, sig)
+
+
 def spawn_kept(
-    cmd: list[str], *, env: dict[str, str] | None = None, log_file: Any = None, grace_s: float = 5.0
-) -> subprocess.Popen:
-    """Start `cmd` under a keeper owned by this process, in a new session and process group;
-    stdout and stderr of both go to `log_file`. The returned process is the keeper."""
+    cmd: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    log_file: Any = None,
+    grace_s: float = 5.0,
+    remove_dir: str | None = None,
+) -> KeptProcess:
+    """Start `cmd` under a keeper owned by this process; stdout and stderr go to `log_file`.
+
+    The keeper detaches (forks, its first process exits, it calls setsid): it leads a session and
+    process group of its own, and is no child of this process, so whoever cleans up this process's
+    children (Ray SIGKILLs an actor's child processes when the actor exits) cannot take the keeper
+    before it has ended the group. It watches this process through a pidfd instead.
+    """
+    read_end, write_end = os.pipe()
     keeper = [sys.executable, "-m", "vime.rollout.keeper", "--owner", str(os.getpid())]
-    return subprocess.Popen(
-        [*keeper, "--grace-s", str(grace_s), "--", *cmd],
-        env=env,
-        stdout=log_file,
-        stderr=subprocess.STDOUT if log_file is not None else None,
-        start_new_session=True,
-    )
+    if remove_dir:
+        keeper += ["--remove-dir", remove_dir]
+    try:
+        first = subprocess.Popen(
+            [*keeper, "--report-fd", str(write_end), "--grace-s", str(grace_s), "--", *cmd],
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT if log_file is not None else None,
+            pass_fds=(write_end,),
+        )
+    finally:
+        os.close(write_end)
+    with os.fdopen(read_end) as report:
+        if not select.select([report], [], [], SPAWN_TIMEOUT_S)[0]:
+            first.kill()
+            raise RuntimeError(f"keeper for {cmd[:3]} did not start within {SPAWN_TIMEOUT_S} s")
+        reported = report.read().strip()
+    first.wait(timeout=SPAWN_TIMEOUT_S)
+    if not reported.isdigit():
+        raise RuntimeError(f"keeper for {cmd[:3]} failed to start (exit code {first.returncode})")
+    return KeptProcess(int(reported))
 
 
 def _reap_children() -> None:
@@ -151,9 +208,28 @@ def _kill_with_keeper() -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def run(cmd: list[str], grace_s: float, owner: int | None = None) -> int:
-    """Run `cmd` and watch it and `owner` (default: the parent); the exit code says why."""
-    owner = owner if owner is not None else os.getppid()
+def detach(owner: int, report_fd: int) -> int:
+    """Leave the launcher's process tree: fork, let the first process exit, setsid. Returns a pidfd
+    of `owner`, opened while the owner still waits for the report (so it is the right process);
+    the keeper's pid goes to report_fd."""
+    owner_fd = os.pidfd_open(owner)
+    if os.fork() > 0:
+        os._exit(0)
+    os.setsid()
+    os.write(report_fd, str(os.getpid()).encode())
+    os.close(report_fd)
+    return owner_fd
+
+
+def run(
+    cmd: list[str],
+    grace_s: float,
+    owner: int,
+    owner_fd: int | None = None,
+    remove_dir: str | None = None,
+) -> int:
+    """Run `cmd`, watch it and `owner` (via `owner_fd`, a pidfd, when given; else as the parent);
+    end the group when either ends or on SIGTERM. The exit code says why."""
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     stop_signal: list[int] = []
 
@@ -175,7 +251,12 @@ def run(cmd: list[str], grace_s: float, owner: int | None = None) -> int:
         if stop_signal:
             reason = f"signal {signal.Signals(stop_signal[0]).name}"
             break
-        if os.getppid() != owner:
+        owner_gone = (
+            select.select([owner_fd], [], [], 0)[0]
+            if owner_fd is not None
+            else os.getppid() != owner
+        )
+        if owner_gone:
             reason, code = f"owner pid {owner} exited", 1
             break
         if server.poll() is not None:
@@ -190,6 +271,8 @@ def run(cmd: list[str], grace_s: float, owner: int | None = None) -> int:
         _reap_children()
 
     removed = end_group(os.getpgrp(), grace_s, reap, seen_segments)
+    if remove_dir:
+        shutil.rmtree(remove_dir, ignore_errors=True)
     print(
         f"vime keeper {os.getpid()}: group ended in {time.monotonic() - began:.1f} s; "
         f"unlinked {len(removed)} /dev/shm files {removed}",
@@ -204,12 +287,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--owner", type=int, default=None, help="pid whose death ends the group (the launcher)"
     )
+    parser.add_argument(
+        "--report-fd", type=int, default=None, help="detach, then write the keeper's pid here"
+    )
+    parser.add_argument("--remove-dir", default=None, help="a directory to delete at the end")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the server's argv")
     args = parser.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         parser.error("give the server's command after --")
-    sys.exit(run(cmd, args.grace_s, args.owner))
+    owner = args.owner if args.owner is not None else os.getppid()
+    owner_fd = detach(owner, args.report_fd) if args.report_fd is not None else None
+    sys.exit(run(cmd, args.grace_s, owner, owner_fd, args.remove_dir))
 
 
 if __name__ == "__main__":

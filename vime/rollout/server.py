@@ -22,7 +22,12 @@ import requests
 from vime.cluster.addresses import HOST_IP_ENV
 from vime.config import EngineConfig
 from vime.rollout import auth
-from vime.rollout.keeper import end_group, group_members, spawn_kept  # noqa: F401
+from vime.rollout.keeper import (  # noqa: F401 (group_members re-exported)
+    KeptProcess,
+    end_group,
+    group_members,
+    spawn_kept,
+)
 from vime.utils.net import free_port, is_loopback
 
 logger = logging.getLogger(__name__)
@@ -203,7 +208,7 @@ class ServerProcess:
     """A server this process started under a keeper (vime.rollout.keeper); `stop` ends its whole
     process group. The keeper leads the group, so the group id is the keeper's pid."""
 
-    process: subprocess.Popen  # the keeper
+    process: KeptProcess | subprocess.Popen  # the keeper
     url: str
     log_path: Path
     token: str | None = None
@@ -229,7 +234,7 @@ class ServerProcess:
         mapped; if the keeper is gone or does not finish in time, the group is ended from here.
         """
         try:
-            os.kill(self.pid, signal.SIGTERM)
+            self.process.send_signal(signal.SIGTERM)
         except ProcessLookupError:
             pass
         try:
@@ -340,7 +345,7 @@ def wait_until_healthy(
         if process is not None and process.poll() is not None:
             tail = read_log_tail(log_path) if log_path else ""
             raise EngineStartError(
-                f"vLLM server for {url} exited with code {process.returncode} before it was "
+                f"vLLM server for {url} exited before it was "
                 f"healthy. Log tail ({log_path}):\n{tail}"
             )
         try:
