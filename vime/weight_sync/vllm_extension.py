@@ -32,7 +32,6 @@ import datetime
 import logging
 import mmap
 import os
-import re
 import stat
 import time
 import warnings
@@ -56,8 +55,6 @@ from vime.weight_sync.transports.gloo import DEFAULT_GROUP_NAME
 from vime.weight_sync.transports.shm import SHM_DIR, check_segment_name
 
 logger = logging.getLogger(__name__)
-
-_SHM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 def worker_index(parallel_config: Any) -> int:
@@ -118,11 +115,7 @@ class ShmUpdateInfo(WeightTransferUpdateInfo):
         self.parsed = _parse_buckets(self.buckets)
         self.shm_names = [b.get("shm_name") for b in self.buckets]
         for name in self.shm_names:
-            if not isinstance(name, str) or not _SHM_NAME.match(name):
-                raise ValueError(
-                    f"bad shm_name {name!r}: expected a plain file name "
-                    f"(letters, digits, '_', '.', '-')"
-                )
+            check_segment_name(name if isinstance(name, str) else repr(name))
 
 
 class _BucketEngine(WeightTransferEngine):
