@@ -120,6 +120,14 @@ class EngineConfig(StrictModel):
             "stalled: the job stops naming it."
         ),
     )
+    fault_tolerance: bool = Field(
+        False,
+        description=(
+            "Restart a dead or stalled engine, sync it to the trainer's current weights before it "
+            "serves again and resubmit its lost requests (as slime's --use-fault-tolerance). "
+            "False: the job stops with an error naming the engine."
+        ),
+    )
     watchdog_interval_s: float = Field(
         2.0, gt=0, description="How often the job probes each engine (GET /health, /is_paused)."
     )

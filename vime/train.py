@@ -16,6 +16,7 @@ engines with `keep`, and the in-flight requests of batch k+1 continue on the new
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import logging
 import os
@@ -39,10 +40,12 @@ from vime.rl.loss import GRPOConfig
 from vime.rl.metrics import MetricsWriter, prefixed
 from vime.rl.rollout import RolloutConfig
 from vime.rollout.auth import new_token
+from vime.rollout.recovery import EngineRecovery
 from vime.rollout.watchdog import EngineWatchdog
 from vime.trainer import TrainerConfig
 from vime.utils.lifetime import watch_parent
 from vime.utils.net import is_loopback
+from vime.weight_sync.session import WeightSyncError
 
 logger = logging.getLogger("vime.train")
 
@@ -90,6 +93,11 @@ class TrainConfig(StrictModel):
                 "spanning nodes yet (weight sync checks and loads TP=1 engines only); run it as "
                 "a server (vime.rollout.server.launch_server with EngineNodeRole) or set "
                 "engine.num_nodes=1"
+            )
+        if self.engine.fault_tolerance and self.engine.external_urls:
+            raise ValueError(
+                "engine.fault_tolerance=true restarts failed engines, which vime cannot do for "
+                "engine.external_urls: launch the engines from the job or turn it off"
             )
         if self.grpo.kl_coef > 0:
             raise ValueError(
@@ -283,18 +291,9 @@ def run(config: TrainConfig) -> dict[str, Any]:
     engines, urls, infos = _launch_engines(config, run_dir, address) if rank == 0 else ([], [], [])
     abort.run_dir, abort.engines = (run_dir, engines) if rank == 0 else (None, [])
     completed = False
-    watchdog = None
     try:
         urls, infos, token = _broadcast_object((urls, infos, config.engine.auth_token), sync_group)
         config = _with_engine_token(config, token)
-        if rank == 0:
-            watchdog = EngineWatchdog(
-                urls,
-                lambda failure: abort(str(failure)),
-                token=token,
-                interval_s=config.engine.watchdog_interval_s,
-                progress_timeout_s=config.engine.progress_timeout_s,
-            ).start()
         engine_machines = _engine_machines(config, urls, infos)
         _check_reachable(config, address, urls, engine_machines)
         num_local_engines = (
@@ -305,8 +304,6 @@ def run(config: TrainConfig) -> dict[str, Any]:
         )
         completed = True
     finally:
-        if watchdog is not None:
-            watchdog.stop()  # before the engines end on purpose
         if rank == 0:
             from vime.cluster.ray_cluster import disconnect
 
@@ -347,18 +344,40 @@ def _run_loop(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rollouts = None
     writer = None
+    watchdog = None
+    recovery = None
+    fault_tolerant = config.engine.fault_tolerance
     if rank == 0:
-        client = GenerationClient(urls, token=config.engine.auth_token)
+        client = GenerationClient(
+            urls, token=config.engine.auth_token, fault_tolerant=fault_tolerant
+        )
         rollouts = RolloutThread(config.rollout, client=client, tokenizer=tokenizer)
         writer = MetricsWriter(run_dir)
+        if fault_tolerant:
+            from vime.rollout.ray_engine import startup_bound
+
+            recovery = EngineRecovery(engines, client, startup_bound(config.engine))
+        watchdog = EngineWatchdog(
+            urls,
+            recovery.on_failure if recovery else (lambda failure: abort(str(failure))),
+            token=config.engine.auth_token,
+            interval_s=config.engine.watchdog_interval_s,
+            progress_timeout_s=config.engine.progress_timeout_s,
+        ).start()
+        if recovery:
+            recovery.watchdog = watchdog
+    recover = _Recover(updater, recovery, sync_group, config.engine.progress_timeout_s)
     summary: dict[str, Any] = {}
     job_start = time.time()
     try:
         pending = rollouts.submit(0) if rank == 0 and config.loop == "async" else None
         for step in range(config.num_steps):
             batch = None
+            if rank == 0 and pending is None:
+                pending = rollouts.submit(step)
+            # Rank 0 sends the batch, or first (fault tolerance) the engines to recover.
+            batch = recover.until_batch(pending)
             if rank == 0:
-                batch = pending.result() if pending is not None else rollouts.submit(step).result()
                 # One-off pipelining: batch k+1 is generated while batch k trains and syncs.
                 is_last = step + 1 == config.num_steps
                 pending = (
@@ -368,7 +387,7 @@ def _run_loop(
             train_start = time.time()
             train_metrics = trainer.train_step(packed, weight_version=updater.weight_version)
             train_end = time.time()
-            report = updater.update_weights()
+            report = recover.sync()
             if rank == 0:
                 metrics = {
                     **batch.metrics(trainer_version=updater.weight_version - 1),
@@ -386,6 +405,8 @@ def _run_loop(
                     "time/step_end": time.time() - job_start,
                 }
                 metrics.update(prefixed(report.seconds, "sync/phase_"))
+                if recovery is not None:
+                    metrics.update(recovery.metrics())
                 writer.log(step, metrics)
                 logger.info(
                     "step %d: reward %.3f, logprob diff %.4f, sync %.2f s, version %d",
@@ -396,11 +417,20 @@ def _run_loop(
                     updater.weight_version,
                 )
     finally:
+        if watchdog is not None:
+            watchdog.stop()  # before the engines end on purpose
+        if recovery is not None:
+            recovery.close()
         if rank == 0:
             rollouts.close()
             writer.close()
             summary = {
                 "wall_s": time.time() - job_start,
+                **(
+                    {"engine_restarts": recovery.num_restarts, "recovery_s": recovery.recovery_s}
+                    if recovery
+                    else {}
+                ),
                 "run_dir": str(run_dir),
                 # Where rank 0 ran (engines.json says where each engine ran).
                 "trainer_node": os.environ.get("SLURMD_NODENAME", socket.gethostname()),
@@ -410,6 +440,80 @@ def _run_loop(
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         updater.close()
     return summary
+
+
+class _Recover:
+    """The training loop's safe points for engine fault tolerance (vime.rollout.recovery).
+
+    Every rank calls the same methods in the same order; rank 0 decides and broadcasts. Without
+    fault tolerance they only wait for the batch and sync.
+    """
+
+    def __init__(self, updater, recovery, group, failure_wait_s: float) -> None:
+        self.updater = updater
+        self.recovery = recovery  # rank 0 with fault tolerance, else None
+        self.group = group
+        self.failure_wait_s = failure_wait_s
+        self.enabled = _broadcast_object(recovery is not None, group)
+
+    def until_batch(self, pending):
+        """Rank 0: the batch, once generated (None on other ranks); engines that fail meanwhile
+        are recovered first, on every rank."""
+        while True:
+            down: list[int] = []
+            batch = None
+            if self.recovery is not None:
+                while not (down := self.recovery.pending()):
+                    try:
+                        batch = pending.result(timeout=0.5)
+                        break
+                    except concurrent.futures.TimeoutError:
+                        continue
+            elif pending is not None:
+                batch = pending.result()
+            if self.enabled:
+                down = _broadcast_object(down, self.group)
+            if not down:
+                return batch
+            self._recover(down, resync=True)
+
+    def sync(self):
+        """updater.update_weights(); with fault tolerance a sync that fails because an engine
+        failed is retried (same version) once the engine is back."""
+        recovered: list[int] = []
+        while True:
+            try:
+                report = self.updater.update_weights()
+            except WeightSyncError:
+                if not self.enabled:
+                    raise
+                down = self.recovery.wait_for_failure(self.failure_wait_s) if self.recovery else []
+                down = _broadcast_object(down, self.group)
+                if not down:
+                    raise
+                self.updater.weight_version -= 1  # the failed version, again
+                self._recover(down, resync=False)
+                recovered += down
+                continue
+            if recovered and self.recovery is not None:
+                self.recovery.restored(recovered)  # the retried sync reached them
+            return report
+
+    def _recover(self, down: list[int], *, resync: bool) -> None:
+        """Every rank: wait for the restarts (rank 0), reconnect the updater to every engine and,
+        if `resync`, push the trainer's current weights (same version) into every engine."""
+        logger.warning("recovering engines %s", down)
+        if self.recovery is not None:
+            self.recovery.wait_restarted(down)
+        dist.barrier(group=self.group)
+        self.updater.close()
+        self.updater.connect()
+        if resync:
+            self.updater.weight_version -= 1
+            self.updater.update_weights()
+            if self.recovery is not None:
+                self.recovery.restored(down)
+        logger.warning("engines %s reconnected%s", down, " and synced" if resync else "")
 
 
 def check_checkpoint(config: TrainConfig) -> None:

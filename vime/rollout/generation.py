@@ -22,6 +22,8 @@ import aiohttp
 
 from vime.rollout.auth import auth_headers
 
+MAX_RESUBMISSIONS = 8  # a request lost with its engine is resubmitted at most this often
+
 
 class GenerationError(RuntimeError):
     """A generate request failed; the message names the engine URL and carries the response body."""
@@ -108,6 +110,8 @@ class GenerationClient:
         token: str | None = None,
         timeout_s: float = 1800.0,
         connect_timeout_s: float = 10.0,
+        fault_tolerant: bool = False,
+        failure_wait_s: float = 30.0,
     ):
         """`token`: the engines' token (vime.rollout.auth), sent with every request."""
         if not urls:
@@ -118,6 +122,15 @@ class GenerationClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self._headers = auth_headers(token)
+        # Fault tolerance (engine.fault_tolerance): a request whose engine fails is resubmitted if
+        # the job's watchdog marks that engine down within failure_wait_s of the failure.
+        self.fault_tolerant = fault_tolerant
+        self.failure_wait_s = failure_wait_s
+        self.num_resubmitted = 0
+        self._down: set[str] = set()
+        self._tasks: dict[str, set[asyncio.Task]] = {url: set() for url in self.urls}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed: asyncio.Event | None = None
 
     async def __aenter__(self) -> GenerationClient:
         return self
@@ -161,28 +174,109 @@ class GenerationClient:
         on_tokens: Callable[[GenerationResult], None] | None = None,
         request_id: str | None = None,
     ) -> GenerationResult:
-        """Generate one completion; `on_tokens(result)` is called after each streamed chunk."""
-        url = self._pick_engine(engine_index)
-        result = GenerationResult(
-            request_id=request_id or f"vime-{uuid.uuid4().hex[:16]}",
-            engine_url=url,
-            prompt_token_ids=list(prompt_token_ids),
-            start_time=time.time(),
-        )
-        payload = {
-            "request_id": result.request_id,
-            "token_ids": result.prompt_token_ids,
-            "sampling_params": sampling.to_request(),
-            # Streaming costs the client a JSON chunk per token: only when progress is watched.
-            "stream": on_tokens is not None,
-        }
+        """Generate one completion; `on_tokens(result)` is called after each streamed chunk.
+
+        With fault tolerance, a request lost with its engine (the engine is marked down, see
+        `mark_down`) is submitted again, from scratch, once an engine is back.
+        """
+        request_id = request_id or f"vime-{uuid.uuid4().hex[:16]}"
+        for attempt in range(MAX_RESUBMISSIONS + 1):
+            url = await self._wait_for_engine(engine_index)
+            result = GenerationResult(
+                request_id=request_id if attempt == 0 else f"{request_id}-r{attempt}",
+                engine_url=url,
+                prompt_token_ids=list(prompt_token_ids),
+                start_time=time.time(),
+            )
+            payload = {
+                "request_id": result.request_id,
+                "token_ids": result.prompt_token_ids,
+                "sampling_params": sampling.to_request(),
+                # Streaming costs the client a JSON chunk per token: only when progress is watched.
+                "stream": on_tokens is not None,
+            }
+            if await self._attempt(url, payload, result, on_tokens):
+                result.end_time = time.time()
+                return result
+            self.num_resubmitted += 1
+        raise GenerationError(f"request {request_id} lost {MAX_RESUBMISSIONS + 1} times")
+
+    async def _attempt(self, url, payload, result, on_tokens) -> bool:
+        """True when the request completed; False when it was lost with its engine."""
+        task = asyncio.ensure_future(self._stream(url, payload, result, on_tokens))
+        self._tasks[url].add(task)
         self._in_flight[url] += 1
         try:
-            await self._stream(url, payload, result, on_tokens)
+            await task
+            return True
+        except asyncio.CancelledError:
+            # Cancelled by mark_down (the engine is gone), or is this caller being cancelled?
+            if asyncio.current_task().cancelling() or url not in self._down:
+                raise
+            return False
+        except GenerationError:
+            if not self.fault_tolerant or not await self._goes_down(url):
+                raise
+            return False
         finally:
             self._in_flight[url] -= 1
-        result.end_time = time.time()
-        return result
+            self._tasks[url].discard(task)
+
+    # ---- fault tolerance: engines marked down and up by the job's watchdog ---------------------
+
+    def mark_down(self, index: int) -> None:
+        """Engine `index` is dead or stalled (any thread): its requests in flight are cancelled and
+        resubmitted once an engine is up; nothing new goes to it until `mark_up`."""
+        self._call_in_loop(self._set_down, self.urls[index], True)
+
+    def mark_up(self, index: int) -> None:
+        """Engine `index` serves the trainer's weights again (any thread)."""
+        self._call_in_loop(self._set_down, self.urls[index], False)
+
+    def _call_in_loop(self, function: Callable[..., None], *args: Any) -> None:
+        if self._loop is None:  # nothing generated yet: no loop, no task to cancel
+            function(*args)
+        else:
+            self._loop.call_soon_threadsafe(function, *args)
+
+    def _set_down(self, url: str, down: bool) -> None:
+        if down:
+            self._down.add(url)
+            for task in list(self._tasks[url]):
+                task.cancel()
+        else:
+            self._down.discard(url)
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    async def _wait_for_engine(self, engine_index: int | None) -> str:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._changed = asyncio.Event()
+        while True:
+            if engine_index is not None:
+                url = self._pick_engine(engine_index)
+                if url not in self._down:
+                    return url
+            else:
+                up = [url for url in self.urls if url not in self._down]
+                if up:
+                    return min(up, key=lambda url: self._in_flight[url])
+            await self._changed.wait()
+
+    async def _goes_down(self, url: str) -> bool:
+        """After a failed request: is its engine marked down within failure_wait_s?"""
+        deadline = time.monotonic() + self.failure_wait_s
+        while url not in self._down:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=left)
+            except TimeoutError:
+                return False
+        return True
 
     async def _stream(
         self,

@@ -104,9 +104,12 @@ def launch_engines(
     else:
         group = place_engines(cluster, job, engine.num_engines)
         actors = [
-            actor_cls.options(**engine_actor_options(cluster, job, group, rank)).remote(
-                engine, rank=rank, log_dir=log_dir, interface=cluster.interface
-            )
+            actor_cls.options(
+                **engine_actor_options(cluster, job, group, rank),
+                # Threaded: restart() (fault tolerance) must run while a call is stuck on a
+                # stalled engine.
+                max_concurrency=4,
+            ).remote(engine, rank=rank, log_dir=log_dir, interface=cluster.interface)
             for rank in range(engine.num_engines)
         ]
     try:

@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from vime.cluster.addresses import node_address
 from vime.config import EngineConfig, PauseMode
@@ -133,6 +134,30 @@ class VLLMEngine:
 
     def server_log_path(self) -> str | None:
         return str(self._server.log_path) if self._server is not None else None
+
+    def restart(self) -> str:
+        """End this engine's server, dead, stalled or alive, and launch it again on the same
+        address (same URL, same token); return the URL once healthy. It serves the checkpoint's
+        weights until the trainer syncs it (engine.fault_tolerance does, before it serves)."""
+        if self._server is None:
+            raise RuntimeError(
+                f"engine {self.rank} at {self._url}: an external engine cannot be restarted by vime"
+            )
+        address = urlsplit(self._server.url)
+        self._server.stop(grace_s=2.0)
+        began = time.monotonic()
+        self._server = launch_server(
+            self.config,
+            host=address.hostname,
+            port=address.port,
+            log_path=self._server.log_path,
+            rank=self.rank,
+            token=self._token,
+        )
+        logger.info(
+            "engine %d restarted at %s in %.1f s", self.rank, self._url, time.monotonic() - began
+        )
+        return self.url
 
     def shutdown(self) -> None:
         """End the server process group this engine started; an external server is left alone."""

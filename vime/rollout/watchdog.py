@@ -89,19 +89,18 @@ class EngineWatchdog:
         self._progress_timeout_s = progress_timeout_s
         self._health_timeout_s = health_timeout_s
         self._stop = threading.Event()
-        self._reported = threading.Lock()
-        self.failure: EngineFailedError | None = None
-        self._threads = [
-            threading.Thread(
-                target=self._watch, args=(index,), daemon=True, name=f"vime-watch-{index}"
-            )
-            for index in range(len(self.urls))
-        ]
+        self.failure: EngineFailedError | None = None  # the first one
 
     def start(self) -> EngineWatchdog:
-        for thread in self._threads:
-            thread.start()
+        for index in range(len(self.urls)):
+            self.watch(index)
         return self
+
+    def watch(self, index: int) -> None:
+        """(Re)start probing engine `index`: each engine's watch ends at its first failure."""
+        threading.Thread(
+            target=self._watch, args=(index,), daemon=True, name=f"vime-watch-{index}"
+        ).start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -131,8 +130,7 @@ class EngineWatchdog:
                 kind=kind,
                 detected_after_s=since,
             )
-            if self._reported.acquire(blocking=False):
-                self.failure = failure
-                logger.error("%s", failure)
-                self._on_failure(failure)
+            self.failure = self.failure or failure
+            logger.error("%s", failure)
+            self._on_failure(failure)
             return
