@@ -337,7 +337,7 @@ def test_bad_request_error_carries_response_body(engine):
 
 def test_unreachable_url_fails_within_timeout_naming_it(tiny_model_dir, unused_port):
     url = f"http://127.0.0.1:{unused_port}"
-    config = EngineConfig(model_path=str(tiny_model_dir), request_timeout_s=2)
+    config = EngineConfig(model_path=str(tiny_model_dir), external_check_timeout_s=2)
     started = time.monotonic()
     with pytest.raises(EngineStartError, match=url):
         VLLMEngine(config, url=url).init()
