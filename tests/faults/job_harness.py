@@ -85,6 +85,7 @@ class BackgroundJob:
             "num_steps=500", "rollout.num_prompts_per_step=4", "rollout.num_samples_per_prompt=4",
             "rollout.max_tokens=64", *overrides,
         ]  # fmt: skip
+        self.shm_before = set(os.listdir("/dev/shm"))
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
         self.process = subprocess.Popen(
             cmd, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
@@ -131,13 +132,27 @@ class BackgroundJob:
         self.segments = mapped_shm_files(sorted(self.pids))
         assert len(self.pids) >= 6, {pid: cmdline(pid) for pid in self.pids}
 
+    def wait_for_next_sync(self, timeout_s: float = 120) -> None:
+        """Until the engine has answered the next /start_weight_update (its access log, polled
+        every 10 ms): a fault injected now lands in that sync."""
+        starts = self.engine_log().count("/start_weight_update")
+        wait_for(
+            lambda: self.engine_log().count("/start_weight_update") > starts,
+            timeout_s,
+            "the next sync",
+            poll_s=0.01,
+        )
+
     # ---- how it ended --------------------------------------------------------------------------
 
     def left_alive(self) -> dict[int, str]:
         return {pid: cmdline(pid) for pid, began in self.pids.items() if start_time(pid) == began}
 
     def left_segments(self) -> list[str]:
-        return sorted(path for path in self.segments if os.path.exists(path))
+        """Segments the job's processes mapped, and any file that appeared in /dev/shm while the
+        job ran, that are still there (the suite runs one job at a time)."""
+        appeared = {f"/dev/shm/{name}" for name in set(os.listdir("/dev/shm")) - self.shm_before}
+        return sorted(path for path in self.segments | appeared if os.path.exists(path))
 
     def wait_all_gone(self, timeout_s: float) -> float:
         """Seconds until every noted process is gone (AssertionError naming the rest)."""

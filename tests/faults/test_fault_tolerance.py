@@ -10,7 +10,7 @@ import signal
 import time
 
 import pytest
-from job_harness import BackgroundJob, wait_for
+from job_harness import BackgroundJob
 
 pytestmark = pytest.mark.faults
 
@@ -32,13 +32,7 @@ def test_job_survives_engine_core_sigkill(tmp_path, tiny_model_dir, phase):
         job.wait_running(steps=1)
         core = job.engine_core_pid()
         if phase == "sync":
-            starts = job.engine_log().count("/start_weight_update")
-            wait_for(
-                lambda: job.engine_log().count("/start_weight_update") > starts,
-                120,
-                "the next sync",
-                poll_s=0.01,
-            )
+            job.wait_for_next_sync()
         killed_at = time.time()
         os.kill(core, signal.SIGKILL)
         job.process.wait(timeout=600)

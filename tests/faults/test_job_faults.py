@@ -12,7 +12,7 @@ import signal
 import time
 
 import pytest
-from job_harness import BackgroundJob, wait_for
+from job_harness import BackgroundJob
 
 pytestmark = pytest.mark.faults
 
@@ -35,11 +35,16 @@ def start_job(tmp_path, tiny_model_dir):
 
 
 def _assert_nothing_left(job: BackgroundJob, began: float, what: str) -> float:
+    """`began`: time.monotonic() at the fault. Prints how long until the job named the failure
+    (run_dir/failure.json, when the watchdog did) and until every process was gone."""
+    killed_wall = time.time() - (time.monotonic() - began)
     job.wait_all_gone(GONE_WITHIN_S + 2)
     took = time.monotonic() - began
     assert took <= GONE_WITHIN_S, f"{what}: job ended after {took:.1f} s"
     assert job.left_segments() == [], f"{what}: segments left {job.left_segments()}"
-    print(f"{what}: every process gone {took:.1f} s after the fault")
+    failure = job.failure()
+    named = f"named after {failure['time'] - killed_wall:.1f} s, " if failure else ""
+    print(f"{what}: {named}every process gone {took:.1f} s after the fault")
     return took
 
 
@@ -86,13 +91,7 @@ def test_sigkill_of_engine_core_is_detected_within_10_s(start_job, phase):
     job = start_job(*(overrides if phase == "sync" else []))
     core = job.engine_core_pid()
     if phase == "sync":
-        starts = job.engine_log().count("/start_weight_update")
-        wait_for(
-            lambda: job.engine_log().count("/start_weight_update") > starts,
-            120,
-            "the next sync",
-            poll_s=0.01,
-        )
+        job.wait_for_next_sync()
     began = time.monotonic()
     os.kill(core, signal.SIGKILL)
     _assert_nothing_left(job, began, f"EngineCore SIGKILL during {phase}")
@@ -111,10 +110,14 @@ def test_stalled_engine_core_is_named_after_the_progress_timeout(start_job):
     os.kill(core, signal.SIGSTOP)
     # progress timeout 10 s + probe interval 2 s, then the job ends as for a dead engine (a
     # stopped process holds SIGTERM; the keeper's SIGKILL after its grace ends it)
+    killed_wall = time.time() - (time.monotonic() - began)
     took = job.wait_all_gone(10 + 2 + GONE_WITHIN_S)
     failure = job.failure()
     assert failure is not None, job.tail()
     assert "engine 0 at http://127.0.0.1:" in failure["error"] and "is stalled" in failure["error"]
     assert job.left_segments() == []
-    print(f"EngineCore SIGSTOP: named and every process gone {took:.1f} s after the fault")
+    print(
+        f"EngineCore SIGSTOP: named after {failure['time'] - killed_wall:.1f} s, every process "
+        f"gone {took:.1f} s after the fault"
+    )
     assert time.monotonic() - began <= 10 + 2 + GONE_WITHIN_S

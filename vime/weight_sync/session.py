@@ -37,7 +37,7 @@ class Engine(Protocol):
 class WeightSyncError(RuntimeError):
     """A sync failed; `phase` names where, and the message names the engine or rank."""
 
-    def __init__(self, message: str, *, phase: str):
+    def __init__(self, message: str, *, phase: str = ""):
         super().__init__(message)
         self.phase = phase
 
