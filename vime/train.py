@@ -303,6 +303,13 @@ def run(config: TrainConfig) -> dict[str, Any]:
             config, rank, run_dir, trainer, topology, sync_group, engines, urls, num_local_engines
         )
         completed = True
+    except Exception as exc:
+        if rank == 0:
+            # Fail fast, as for a dead engine: an orderly shutdown (engines, then Ray draining)
+            # takes tens of seconds; the keepers end the engines and Ray once this rank is gone.
+            logger.exception("the job failed")
+            abort(f"{type(exc).__name__}: {exc}")
+        raise
     finally:
         if rank == 0:
             from vime.cluster.ray_cluster import disconnect

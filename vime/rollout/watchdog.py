@@ -18,6 +18,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from typing import Any
 
 import requests
 
@@ -46,27 +49,71 @@ class EngineFailedError(RuntimeError):
         self.detected_after_s = detected_after_s
 
 
-def probe(
-    url: str, headers: dict[str, str], *, health_timeout_s: float, progress_timeout_s: float
-) -> tuple[str, str] | None:
-    """None if the engine at `url` is alive and its EngineCore answers; else (kind, detail)."""
+def check_health(url: str, headers: dict[str, str], timeout_s: float) -> tuple[str, str] | None:
+    """("dead", why) if GET /health is refused, reset or answers 5xx; None otherwise (a /health
+    that times out decides nothing: the progress probe does)."""
     try:
-        response = requests.get(f"{url}/health", headers=headers, timeout=health_timeout_s)
+        response = requests.get(f"{url}/health", headers=headers, timeout=timeout_s)
     except requests.Timeout:
-        response = None  # the api_server is busy or hung: the progress probe below decides
+        return None
     except requests.RequestException as exc:
         return "dead", f"GET /health: {type(exc).__name__}: {exc}"
-    if response is not None and response.status_code >= 500:
-        return "dead", f"GET /health -> HTTP {response.status_code}: {response.text[:200]}"
-    try:
-        response = requests.get(f"{url}/is_paused", headers=headers, timeout=progress_timeout_s)
-    except requests.Timeout:
-        return "stalled", f"GET /is_paused not answered within {progress_timeout_s:g} s"
-    except requests.RequestException as exc:
-        return "dead", f"GET /is_paused: {type(exc).__name__}: {exc}"
     if response.status_code >= 500:
-        return "dead", f"GET /is_paused -> HTTP {response.status_code}: {response.text[:200]}"
+        return "dead", f"GET /health -> HTTP {response.status_code}: {response.text[:200]}"
     return None
+
+
+def probe(
+    url: str,
+    headers: dict[str, str],
+    *,
+    health_timeout_s: float,
+    progress_timeout_s: float,
+    interval_s: float = 2.0,
+) -> tuple[str, str] | None:
+    """None if the engine at `url` is alive and its EngineCore answers GET /is_paused within
+    progress_timeout_s; else (kind, detail). /health is checked every interval_s meanwhile: an
+    EngineCore that dies during the probe leaves /is_paused unanswered (vLLM does not fail a
+    utility call in flight), while /health says "dead" at once."""
+    began = time.monotonic()
+    progress = _in_daemon_thread(
+        requests.get, f"{url}/is_paused", headers=headers, timeout=progress_timeout_s
+    )
+    while True:
+        found = check_health(url, headers, health_timeout_s)
+        if found is not None:
+            return found
+        try:
+            response = progress.result(timeout=interval_s)
+        except FutureTimeoutError:
+            if time.monotonic() - began < progress_timeout_s:
+                continue
+            return "stalled", f"GET /is_paused not answered within {progress_timeout_s:g} s"
+        except requests.Timeout:
+            return "stalled", f"GET /is_paused not answered within {progress_timeout_s:g} s"
+        except requests.RequestException as exc:
+            return "dead", f"GET /is_paused: {type(exc).__name__}: {exc}"
+        if response.status_code >= 500:
+            return (
+                "dead",
+                f"GET /is_paused -> HTTP {response.status_code}: {response.text[:200]}",
+            )
+        return None
+
+
+def _in_daemon_thread(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+    """`function(*args, **kwargs)` on a daemon thread: a probe abandoned mid-call (its engine was
+    found dead) never holds up the interpreter's exit, as a ThreadPoolExecutor's worker would."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(function(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 (handed to the waiter)
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True, name="vime-probe").start()
+    return future
 
 
 class EngineWatchdog:
@@ -114,6 +161,7 @@ class EngineWatchdog:
                 self._headers,
                 health_timeout_s=self._health_timeout_s,
                 progress_timeout_s=self._progress_timeout_s,
+                interval_s=self._interval_s,
             )
             if self._stop.is_set():
                 return
