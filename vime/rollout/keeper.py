@@ -104,17 +104,42 @@ def end_group(
         return [pid for pid in group_members(pgid) if pid != me]
 
     segments = set(seen_segments) | mapped_shm_files(others())
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in others():
+
+    def signal_and_wait(
+        sig: int, pids: Callable[[], list[int]], wait_s: float, until: Callable[[], list[int]]
+    ) -> None:
+        for pid in pids():
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
-        while others() and time.monotonic() < deadline:
-            segments |= mapped_shm_files(others())  # segments made during shutdown
+        deadline = time.monotonic() + wait_s
+        while until() and time.monotonic() < deadline:
+            segments.update(mapped_shm_files(others()))  # segments made during shutdown
             time.sleep(0.05)
+
+    def trackers() -> list[int]:
+        return [pid for pid in others() if _is_resource_tracker(pid)]
+
+    def served() -> list[int]:
+        return [pid for pid in others() if not _is_resource_tracker(pid)]
+
+    # Python's resource tracker ignores SIGTERM and, once every process it serves is gone,
+    # unlinks the semaphores and segments they registered and exits: it is waited for, and
+    # SIGKILLed, last.
+    signal_and_wait(signal.SIGTERM, others, grace_s, until=served)
+    signal_and_wait(signal.SIGKILL, served, 5.0, until=served)
+    signal_and_wait(signal.SIGCONT, trackers, 3.0, until=trackers)
+    signal_and_wait(signal.SIGKILL, others, 5.0, until=others)
     return unlink_owned(segments)
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return b"multiprocessing.resource_tracker" in cmdline.read()
+    except OSError:
+        return False
 
 
 class KeptProcess:
