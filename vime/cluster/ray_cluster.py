@@ -118,6 +118,8 @@ def _start_local_head(cluster: ClusterConfig, node_address: str) -> str:
         head_port=port,
         engine_resource=cluster.engine_resource,
         temp_dir=temp_dir,
+        # Ray's default (52365) is one fixed port per machine: a second Ray there fails to start.
+        dashboard_agent_port=free_port(node_address),
     )
     ray_cli = [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; main()"]
     # Token auth for the head, its processes and this driver. Ray caches both the mode and the

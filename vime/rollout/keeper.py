@@ -296,8 +296,8 @@ def run(
         _reap_children()
 
     removed = end_group(os.getpgrp(), grace_s, reap, seen_segments)
-    if remove_dir:
-        shutil.rmtree(remove_dir, ignore_errors=True)
+    if remove_dir and not reason.startswith("server exited"):
+        shutil.rmtree(remove_dir, ignore_errors=True)  # kept, with its logs, when cmd failed
     print(
         f"vime keeper {os.getpid()}: group ended in {time.monotonic() - began:.1f} s; "
         f"unlinked {len(removed)} /dev/shm files {removed}",
@@ -315,7 +315,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--report-fd", type=int, default=None, help="detach, then write the keeper's pid here"
     )
-    parser.add_argument("--remove-dir", default=None, help="a directory to delete at the end")
+    parser.add_argument(
+        "--remove-dir", default=None, help="a directory to delete at the end, unless cmd failed"
+    )
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the server's argv")
     args = parser.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
