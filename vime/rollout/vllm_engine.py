@@ -205,7 +205,10 @@ class VLLMEngine:
         except EngineHTTPError as exc:
             # Name the engine by its index too (the job's logs and metrics use it).
             raise EngineHTTPError(
-                f"engine {self.rank}: {exc}", url=exc.url, status=exc.status, body=exc.body
+                f"engine {self.rank} at {self.url}: {exc}",
+                url=exc.url,
+                status=exc.status,
+                body=exc.body,
             ) from exc
 
     # ---- pause / resume --------------------------------------------------------------------
