@@ -180,7 +180,8 @@ def test_stop_ends_the_group_when_its_leader_is_already_dead(tmp_path):
     import subprocess
     import time
 
-    from vime.rollout.server import ServerProcess, group_members
+    from vime.rollout.keeper import group_members
+    from vime.rollout.server import ServerProcess
 
     process = subprocess.Popen(
         ["bash", "-c", "sleep 300 & sleep 300 & wait"], start_new_session=True

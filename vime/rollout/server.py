@@ -22,12 +22,7 @@ import requests
 from vime.cluster.addresses import HOST_IP_ENV
 from vime.config import EngineConfig
 from vime.rollout import auth
-from vime.rollout.keeper import (  # noqa: F401 (group_members re-exported)
-    KeptProcess,
-    end_group,
-    group_members,
-    spawn_kept,
-)
+from vime.rollout.keeper import KeptProcess, end_group, spawn_kept
 from vime.utils.net import free_port, is_loopback
 
 logger = logging.getLogger(__name__)
