@@ -31,6 +31,8 @@ setup(
             "pytest>=8,<10",
             "pytest-timeout>=2.3,<3",
             "ruff>=0.8",
+            "mypy>=1.13,<2",
+            "types-PyYAML>=6,<7",
             "tensorboard>=2.18,<3",
             "matplotlib>=3.9,<4",
         ],

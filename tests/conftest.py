@@ -18,10 +18,24 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_CACHE = Path(os.environ.get("VIME_TEST_MODEL_CACHE", REPO_ROOT / "models" / "test-cache"))
 
 
+TIERS = ("unit", "distributed", "gpu", "faults")
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    # Markers, not keywords: a keyword match would take the directory tests/unit for a marker.
+    untiered = [
+        item.nodeid
+        for item in items
+        if not any(marker.name in TIERS for marker in item.iter_markers())
+    ]
+    if untiered:
+        # A test outside every tier would be skipped by `-m unit` and the like without a word.
+        raise pytest.UsageError(
+            f"tests without a tier marker ({', '.join(TIERS)}): " + ", ".join(untiered[:10])
+        )
     for item in items:
-        if "gpu" in item.keywords and not torch.cuda.is_available():
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
 
 

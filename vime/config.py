@@ -7,12 +7,11 @@ package grows; `load_config` is the only entry point scripts use.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-PauseMode = Literal["keep", "wait", "abort"]
 WeightTransferBackend = Literal["gloo", "shm", "nccl", "ipc"]
 
 VIME_WORKER_EXTENSION = "vime.weight_sync.vllm_extension.VimeWorkerExtension"
@@ -22,6 +21,22 @@ class StrictModel(BaseModel):
     """Base of every config section: unknown keys are errors, values are immutable once checked."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def reject_moved_keys(section: str, data: Any, moved: dict[str, str]) -> Any:
+    """A `mode="before"` check: keys of older configs raise an error saying what to write now."""
+    if isinstance(data, dict):
+        for key, instead in moved.items():
+            if key in data:
+                raise ValueError(f"{section}.{key} is no longer read: {instead}")
+    return data
+
+
+ENGINE_MOVED_KEYS = {
+    "pause_mode": "a weight sync always pauses with mode=keep (no request is lost); remove it",
+    "clear_cache_on_pause": "write weight_sync.clear_cache_on_pause instead",
+    "flush_cache_timeout_s": "write weight_sync.flush_cache_timeout_s instead",
+}
 
 
 class EngineConfig(StrictModel):
@@ -74,7 +89,11 @@ class EngineConfig(StrictModel):
     enforce_eager: bool = Field(True, description="vLLM --enforce-eager (no graph capture).")
     weight_transfer_backend: WeightTransferBackend | None = Field(
         None,
-        description="vLLM --weight-transfer-config backend: gloo/shm (vime, CPU), nccl/ipc (GPU).",
+        description=(
+            "vLLM --weight-transfer-config backend: gloo/shm (vime, CPU), nccl/ipc (GPU). In a "
+            "job config it is derived from weight_sync.transport and must not be written; set it "
+            "only for an engine launched on its own."
+        ),
     )
     worker_extension_cls: str | None = Field(
         VIME_WORKER_EXTENSION,
@@ -134,19 +153,11 @@ class EngineConfig(StrictModel):
     request_timeout_s: float = Field(
         120.0, gt=0, description="Timeout of every control-plane HTTP call (pause, update, ...)."
     )
-    pause_mode: PauseMode = Field(
-        "keep", description="Pause mode for weight sync; keep freezes requests, none are lost."
-    )
-    clear_cache_on_pause: bool = Field(
-        False,
-        description=(
-            "Pass clear_cache to /pause. True: paused requests re-prefill on the new weights. "
-            "False: they keep KV computed by the old weights (cheaper, off-policy prefix)."
-        ),
-    )
-    flush_cache_timeout_s: float = Field(
-        30.0, gt=0, description="How long flush_cache retries while requests still hold blocks."
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_moved(cls, data: Any) -> Any:
+        return reject_moved_keys("engine", data, ENGINE_MOVED_KEYS)
 
     @model_validator(mode="after")
     def _check_urls(self) -> EngineConfig:
@@ -164,31 +175,94 @@ class EngineConfig(StrictModel):
         return self
 
 
-WeightSyncMode = Literal["distributed", "tensor"]
-# Which trainer transports can serve each mode: distributed = a broadcast group across hosts,
-# tensor = colocated, the engine reads the trainer's memory on the same host.
-TRANSPORTS_BY_MODE: dict[str, tuple[str, ...]] = {
-    "distributed": ("gloo", "nccl"),
-    "tensor": ("shm", "ipc"),
+def _check_port_range(port_range: tuple[int, int] | None) -> None:
+    if port_range is not None:
+        low, high = port_range
+        if not 1024 <= low <= high <= 65535:
+            raise ValueError(
+                f"master_port_range={list(port_range)}: give [low, high] with "
+                "1024 <= low <= high <= 65535"
+            )
+
+
+class BroadcastTransportConfig(StrictModel):
+    """A broadcast group per pipeline stage: the stage's sender is rank 0, engine workers follow."""
+
+    shape: ClassVar[str] = "distributed"  # the seed's UpdateWeightFromDistributed
+
+    master_address: str | None = Field(
+        None,
+        description=(
+            "Address each pp sender's rendezvous listens on, which every engine worker must reach. "
+            "None: the sender's node address (cluster.node_address, $VIME_HOST_IP, "
+            "cluster.interface, Slurm's NodeAddr, else 127.0.0.1)."
+        ),
+    )
+    master_port_range: tuple[int, int] | None = Field(
+        None,
+        description=(
+            "Inclusive port range for the senders' rendezvous (open it in the firewall between "
+            "trainer and engine nodes); None: any free port."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check_ports(self) -> BroadcastTransportConfig:
+        _check_port_range(self.master_port_range)
+        return self
+
+
+class GlooTransportConfig(BroadcastTransportConfig):
+    """CPU, engines reachable by TCP: broadcast over gloo (vime's `gloo` engine backend)."""
+
+    kind: Literal["gloo"] = "gloo"
+
+
+class NcclTransportConfig(BroadcastTransportConfig):
+    """GPU, engines on other GPUs: broadcast over NCCL (vLLM's `nccl` engine backend)."""
+
+    kind: Literal["nccl"] = "nccl"
+
+
+class ShmTransportConfig(StrictModel):
+    """CPU, colocated: the engines map the POSIX shared-memory segments the senders wrote."""
+
+    shape: ClassVar[str] = "tensor"  # the seed's UpdateWeightFromTensor
+    kind: Literal["shm"] = "shm"
+
+
+class IpcTransportConfig(StrictModel):
+    """GPU, colocated: CUDA IPC handles of the senders' buffers (vLLM's `ipc` engine backend)."""
+
+    shape: ClassVar[str] = "tensor"  # the seed's UpdateWeightFromTensor
+    kind: Literal["ipc"] = "ipc"
+
+
+TransportConfig = Annotated[
+    GlooTransportConfig | NcclTransportConfig | ShmTransportConfig | IpcTransportConfig,
+    Field(discriminator="kind"),
+]
+
+WEIGHT_SYNC_MOVED_KEYS = {
+    "mode": (
+        "weight_sync.transport picks the shape (gloo, nccl: a broadcast group per pipeline stage; "
+        "shm, ipc: colocated); remove weight_sync.mode"
+    ),
+    "master_address": "write it under weight_sync.transport (kind gloo or nccl)",
+    "master_port_range": "write it under weight_sync.transport (kind gloo or nccl)",
 }
 
 
 class WeightSyncConfig(StrictModel):
     """How trainer ranks push weights into the rollout engines after each optimizer step."""
 
-    mode: WeightSyncMode = Field(
-        "distributed",
+    transport: TransportConfig = Field(
+        default_factory=GlooTransportConfig,
         description=(
-            "distributed: each pipeline stage's sender broadcasts to the engines' workers "
-            "(UpdateWeightFromDistributed). tensor: colocated, engines read buffers the senders "
-            "wrote on the same host (UpdateWeightFromTensor)."
-        ),
-    )
-    transport: WeightTransferBackend = Field(
-        "gloo",
-        description=(
-            "Trainer transport; must match the engines' --weight-transfer-config backend. "
-            "distributed: gloo (CPU, TCP) or nccl (GPU). tensor: shm (CPU) or ipc (CUDA IPC)."
+            "The one switch of a weight sync: `{kind: gloo|nccl|shm|ipc, ...}` or just the kind. "
+            "It sets the engines' --weight-transfer-config backend and the updater's shape: "
+            "gloo (CPU) / nccl (GPU) broadcast from each pipeline stage's sender to every engine "
+            "worker; shm (CPU) / ipc (GPU) hand colocated engines the senders' buffers."
         ),
     )
     update_weight_buffer_size: int = Field(
@@ -228,40 +302,14 @@ class WeightSyncConfig(StrictModel):
             "(slow for big models: the engine reads back every weight)."
         ),
     )
-    master_address: str | None = Field(
-        None,
-        description=(
-            "Address each pp sender's rendezvous listens on, which every engine worker must reach "
-            "(gloo, nccl). None: the sender's node address (cluster.node_address, $VIME_HOST_IP, "
-            "cluster.interface, Slurm's NodeAddr, else 127.0.0.1)."
-        ),
-    )
-    master_port_range: tuple[int, int] | None = Field(
-        None,
-        description=(
-            "Inclusive port range for the senders' rendezvous (open it in the firewall between "
-            "trainer and engine nodes); None: any free port."
-        ),
-    )
 
-    @model_validator(mode="after")
-    def _check_transport(self) -> WeightSyncConfig:
-        if self.master_port_range is not None:
-            low, high = self.master_port_range
-            if not 1024 <= low <= high <= 65535:
-                raise ValueError(
-                    f"master_port_range={list(self.master_port_range)}: give [low, high] with "
-                    "1024 <= low <= high <= 65535"
-                )
-        allowed = TRANSPORTS_BY_MODE[self.mode]
-        if self.transport not in allowed:
-            other = next(m for m, ts in TRANSPORTS_BY_MODE.items() if self.transport in ts)
-            raise ValueError(
-                f"transport {self.transport!r} does not serve mode {self.mode!r}: use transport "
-                f"{' or '.join(map(repr, allowed))} with mode {self.mode!r}, or mode {other!r} "
-                f"with transport {self.transport!r}"
-            )
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_kind_alone(cls, data: Any) -> Any:
+        data = reject_moved_keys("weight_sync", data, WEIGHT_SYNC_MOVED_KEYS)
+        if isinstance(data, dict) and isinstance(data.get("transport"), str):
+            data = {**data, "transport": {"kind": data["transport"]}}
+        return data
 
 
 def _set_dotted(tree: dict[str, Any], dotted_key: str, value: Any) -> None:

@@ -35,7 +35,13 @@ from pydantic import Field, model_validator
 
 from vime.cluster.addresses import HOST_IP_ENV, check_reachable, node_address
 from vime.cluster.config import ClusterConfig
-from vime.config import EngineConfig, StrictModel, WeightSyncConfig, load_config
+from vime.config import (
+    BroadcastTransportConfig,
+    EngineConfig,
+    StrictModel,
+    WeightSyncConfig,
+    load_config,
+)
 from vime.rl.loss import GRPOConfig
 from vime.rl.metrics import MetricsWriter, prefixed
 from vime.rl.rollout import RolloutConfig
@@ -79,14 +85,38 @@ class TrainConfig(StrictModel):
         description="Ray cluster, node addresses, engine placement, Slurm job (`vime slurm`).",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_engine_backend(cls, data: Any) -> Any:
+        """The engines run the backend named by weight_sync.transport; nobody writes it twice."""
+        if not isinstance(data, dict) or "engine" not in data:
+            return data
+        sync = data.get("weight_sync") or {}
+        transport = sync.transport if isinstance(sync, WeightSyncConfig) else sync.get("transport")
+        kind = getattr(transport, "kind", None) or (
+            transport.get("kind") if isinstance(transport, dict) else transport
+        )
+        kind = kind or "gloo"
+        engine = data["engine"]
+        if isinstance(engine, EngineConfig):
+            if engine.weight_transfer_backend not in (None, kind):
+                raise ValueError(
+                    f"engine.weight_transfer_backend={engine.weight_transfer_backend!r} but "
+                    f"weight_sync.transport is {kind!r}: leave the engine's unset, the transport "
+                    "sets it"
+                )
+            engine = engine.model_copy(update={"weight_transfer_backend": kind})
+        elif isinstance(engine, dict):
+            if "weight_transfer_backend" in engine:
+                raise ValueError(
+                    "engine.weight_transfer_backend is no longer written in a job config: "
+                    f"weight_sync.transport (here {kind!r}) sets the engines' backend; remove it"
+                )
+            engine = {**engine, "weight_transfer_backend": kind}
+        return {**data, "engine": engine}
+
     @model_validator(mode="after")
-    def _check_backend(self) -> TrainConfig:
-        if self.engine.weight_transfer_backend != self.weight_sync.transport:
-            raise ValueError(
-                f"engine.weight_transfer_backend={self.engine.weight_transfer_backend!r} but "
-                f"weight_sync.transport={self.weight_sync.transport!r}: the engines must run the "
-                "backend the trainer sends with; set both to the same value"
-            )
+    def _check_combination(self) -> TrainConfig:
         if self.engine.num_nodes > 1 and not self.engine.external_urls:
             raise ValueError(
                 f"engine.num_nodes={self.engine.num_nodes}: the RL job cannot use an engine "
@@ -146,7 +176,11 @@ abort = _Abort()
 
 
 def _init_distributed(config: TrainConfig) -> tuple[int, int]:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "gloo"
+    if torch.cuda.is_available():
+        # One GPU per local rank, before anything touches CUDA (else every rank uses cuda:0).
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
     timeout = timedelta(seconds=config.weight_sync.barrier_timeout_s)
     dist.init_process_group(backend=backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
@@ -193,13 +227,14 @@ def _check_reachable(
     for url, machine in zip(urls, engine_machines, strict=True):
         url_host = urlsplit(url).hostname or ""
         check_reachable(url_host, "engine.host", own_host=machine, peer_hosts=[hostname])
-    if config.weight_sync.mode == "distributed":
-        if config.weight_sync.master_address:
-            field = "weight_sync.master_address"
+    transport = config.weight_sync.transport
+    if isinstance(transport, BroadcastTransportConfig):
+        if transport.master_address:
+            field = "weight_sync.transport.master_address"
         else:
             field = "the node address (cluster.node_address / VIME_HOST_IP / cluster.interface)"
         check_reachable(
-            config.weight_sync.master_address or address,
+            transport.master_address or address,
             field,
             own_host=hostname,
             peer_hosts=engine_machines,
@@ -226,15 +261,9 @@ def _broadcast_object(obj: Any, group: Any) -> Any:
 
 def _make_updater(config: TrainConfig, *, engines, trainer, topology, sync_group):
     from vime.megatron.gather import GatherGroups
-    from vime.weight_sync.update_from_distributed import UpdateWeightFromDistributed
-    from vime.weight_sync.update_from_tensor import UpdateWeightFromTensor
+    from vime.weight_sync.updater import WeightUpdater
 
-    cls = (
-        UpdateWeightFromTensor
-        if config.weight_sync.mode == "tensor"
-        else UpdateWeightFromDistributed
-    )
-    return cls(
+    return WeightUpdater(
         config=config.weight_sync,
         engines=engines,
         model=trainer.model,
@@ -263,7 +292,9 @@ def run(config: TrainConfig) -> dict[str, Any]:
     )
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.resolved.json").write_text(config.model_dump_json(indent=2))
+        # Without the derived engine backend, so that the file loads back as a config.
+        resolved = config.model_dump_json(indent=2, exclude={"engine": {"weight_transfer_backend"}})
+        (run_dir / "config.resolved.json").write_text(resolved)
         if config.model.preset is not None:
             from vime.testing.tiny_model import build_tiny_model
 
@@ -377,14 +408,14 @@ def _run_loop(
     summary: dict[str, Any] = {}
     job_start = time.time()
     try:
-        pending = rollouts.submit(0) if rank == 0 and config.loop == "async" else None
+        pending = rollouts.submit(0) if rollouts is not None and config.loop == "async" else None
         for step in range(config.num_steps):
             batch = None
-            if rank == 0 and pending is None:
+            if rollouts is not None and pending is None:
                 pending = rollouts.submit(step)
             # Rank 0 sends the batch, or first (fault tolerance) the engines to recover.
             batch = recover.until_batch(pending)
-            if rank == 0:
+            if rollouts is not None:  # rank 0
                 # One-off pipelining: batch k+1 is generated while batch k trains and syncs.
                 is_last = step + 1 == config.num_steps
                 pending = (
@@ -395,7 +426,7 @@ def _run_loop(
             train_metrics = trainer.train_step(packed, weight_version=updater.weight_version)
             train_end = time.time()
             report = recover.sync()
-            if rank == 0:
+            if writer is not None:  # rank 0
                 metrics = {
                     **batch.metrics(trainer_version=updater.weight_version - 1),
                     **prefixed(train_metrics, "train/"),
@@ -428,7 +459,7 @@ def _run_loop(
             watchdog.stop()  # before the engines end on purpose
         if recovery is not None:
             recovery.close()
-        if rank == 0:
+        if rollouts is not None and writer is not None:  # rank 0
             rollouts.close()
             writer.close()
             summary = {

@@ -147,10 +147,12 @@ class MegatronTrainer:
             normalize_std=self.grpo.normalize_std,
         )
         mine = self._dp_slice(batch.input_ids.shape[0])
-        input_ids = batch.input_ids[mine]
-        mask = batch.loss_mask[mine]
-        rollout_logprobs = batch.rollout_logprobs[mine]
-        advantages = advantages[mine]
+        # The packed batch lives on the CPU; the model on its device (a GPU when there is one).
+        device = self.device
+        input_ids = batch.input_ids[mine].to(device)
+        mask = batch.loss_mask[mine].to(device)
+        rollout_logprobs = batch.rollout_logprobs[mine].to(device)
+        advantages = advantages[mine].to(device)
         # Normalise by the whole batch's token count, so micro-batches and DP ranks sum to its mean.
         num_batch_tokens = float(batch.loss_mask.sum())
         self.optimizer.zero_grad(set_to_none=True)
@@ -178,7 +180,7 @@ class MegatronTrainer:
                 # Whole samples only: a sample that straddled a sync (keep pause, clear_cache
                 # false) continues on KV computed by the old weights, so even its new-version
                 # tokens differ from a recompute.
-                versions = batch.token_versions[mine][start:end]
+                versions = batch.token_versions[mine][start:end].to(device)
                 on = mask[start:end] > 0
                 whole = ((versions == weight_version) | ~on).all(dim=1) & on.any(dim=1)
                 same = whole[:, None] & on
@@ -209,6 +211,10 @@ class MegatronTrainer:
             raise FloatingPointError(f"non-finite gradient norm at step {self.num_steps}")
         return metrics
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     def param_fingerprint(self) -> float:
         """A cheap number that changes whenever this rank's weights change (for run checks)."""
         with torch.no_grad():
@@ -220,7 +226,7 @@ class MegatronTrainer:
         A TP-sharded parameter contributes its shard on every TP rank; a replicated one (norms,
         biases of row-parallel layers) only on TP rank 0, so the sum over TP counts it once.
         """
-        squares = torch.zeros((), dtype=torch.float64)
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
         for param in self.model.parameters():
             if param.grad is None:
                 continue

@@ -24,7 +24,8 @@ import torch
 
 from vime.testing.tiny_model import build_tiny_model
 from vime.weight_sync.buckets import check_against_engine, pack, plan_buckets, tensor_digest
-from vime.weight_sync.transports import GlooTransport, ShmTransport
+from vime.weight_sync.transports.gloo import GlooTransport
+from vime.weight_sync.transports.shm import ShmTransport
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 

@@ -2,7 +2,7 @@
 
 Three servers for the module (qwen2-tiny float32): A and C run the vime `gloo` backend, B `shm`.
 Each job spawns trainer ranks in one parallel layout (TP1xPP1, TP2xPP1, TP1xPP2) that take SGD
-steps and sync with UpdateWeightFromDistributed (gloo) and UpdateWeightFromTensor (shm); see
+steps and sync over gloo (UpdateWeightFromDistributed) and shm (UpdateWeightFromTensor); see
 `weight_sync_harness`. After every sync the served tensors must equal the trainer's exported
 weights bit for bit and greedy output must equal HF transformers on those weights.
 
@@ -163,19 +163,18 @@ def bf16_checkpoint(model_builder) -> dict:
 def tp1_run(servers, model_dir, model_builder, tmp_path_factory):
     a, b = (servers["A"],), (servers["B"],)
     steps = (
-        SyncStep("distributed", "gloo", a, version=1, inflight=True),
-        SyncStep("tensor", "shm", b, version=1),
+        SyncStep("gloo", a, version=1, inflight=True),
+        SyncStep("shm", b, version=1),
         SyncStep(
-            "distributed",
             "gloo",
             a,
             version=99,
             model_dir=str(model_builder("qwen3-tiny", "float32")),
             expect_error=True,
         ),
-        SyncStep("tensor", "shm", b, version=2, fail_in_send=True),
-        SyncStep("tensor", "shm", b, version=3),  # the same updater again, after the failure
-        SyncStep("distributed", "gloo", a, version=2, inflight=True, clear_cache=True),
+        SyncStep("shm", b, version=2, fail_in_send=True),
+        SyncStep("shm", b, version=3),  # the same updater again, after the failure
+        SyncStep("gloo", a, version=2, inflight=True, clear_cache=True),
     )
     job = SyncJob(model_dir=model_dir, steps=steps)
     return run_sync_job(job, 1, tmp_path_factory.mktemp("tp1"))
@@ -185,9 +184,9 @@ def tp1_run(servers, model_dir, model_builder, tmp_path_factory):
 def tp2_run(servers, model_dir, tmp_path_factory):
     a, b = (servers["A"],), (servers["B"],)
     steps = (
-        SyncStep("distributed", "gloo", a, version=10),
-        SyncStep("tensor", "shm", b, version=10),
-        SyncStep("distributed", "gloo", a, version=11),
+        SyncStep("gloo", a, version=10),
+        SyncStep("shm", b, version=10),
+        SyncStep("gloo", a, version=11),
     )
     job = SyncJob(model_dir=model_dir, tp=2, steps=steps)
     return run_sync_job(job, 2, tmp_path_factory.mktemp("tp2"))
@@ -197,10 +196,9 @@ def tp2_run(servers, model_dir, tmp_path_factory):
 def pp2_run(servers, model_dir, model_builder, tmp_path_factory):
     bf16_dir = str(model_builder("qwen2-tiny", "bfloat16"))
     steps = (
-        SyncStep("distributed", "gloo", (servers["A"], servers["C"]), version=20),
-        SyncStep("tensor", "shm", (servers["B"],), version=20),
+        SyncStep("gloo", (servers["A"], servers["C"]), version=20),
+        SyncStep("shm", (servers["B"],), version=20),
         SyncStep(
-            "distributed",
             "gloo",
             (servers["D"],),
             version=20,
@@ -229,8 +227,8 @@ def test_sync_serves_exact_trainer_weights(
         # Both stages reached both engines of the gloo step, each over its own group.
         assert len(records[0]["engines"]) == 2
         assert next(iter(exported[2].values())).dtype == torch.bfloat16
-    modes = {(records[i]["step"].mode, records[i]["step"].transport) for i in step_indices}
-    assert modes == {("distributed", "gloo"), ("tensor", "shm")}
+    transports = {records[i]["step"].transport for i in step_indices}
+    assert transports == {"gloo", "shm"}
 
 
 def test_request_in_flight_continues_on_new_weights(tp1_run):

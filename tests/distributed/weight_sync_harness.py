@@ -2,7 +2,7 @@
 
 `run_sync_job(job, world_size, out_dir)` spawns the ranks. Each builds the model from an HF
 checkpoint and then, per `SyncStep`: takes a real SGD step (a deterministic perturbation of every
-parameter), syncs into the step's engines with the updater of the step's mode, exports the same
+parameter), syncs into the step's engines with the step's transport, exports the same
 weights through a separate gather (pp senders write them to out_dir), and on rank 0 records what
 the engines serve (checksums, greedy tokens, weight version, an in-flight request's tokens).
 The test process asserts on those files.
@@ -32,8 +32,7 @@ INFLIGHT_TOKENS = 1500  # long enough that the pause lands mid-request on 2 busy
 
 @dataclass(frozen=True)
 class SyncStep:
-    mode: str  # "distributed" | "tensor"
-    transport: str  # gloo | shm
+    transport: str  # gloo (UpdateWeightFromDistributed) | shm (UpdateWeightFromTensor)
     engine_urls: tuple[str, ...]
     version: int  # the engines serve str(version) after the step
     clear_cache: bool = False
@@ -155,8 +154,7 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
         pad_vocab_size,
     )
     from vime.rollout.vllm_engine import VLLMEngine
-    from vime.weight_sync.update_from_distributed import UpdateWeightFromDistributed
-    from vime.weight_sync.update_from_tensor import UpdateWeightFromTensor
+    from vime.weight_sync.updater import WeightUpdater
 
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(name)s: %(message)s")
     init_gloo_rank(rank, world_size, port)
@@ -185,7 +183,7 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
         if not step.expect_error:
             perturb(model, topology, optimizer, index)
         engine_config = EngineConfig(model_path=model_dir, request_timeout_s=60, auth_token=TOKEN)
-        key = (step.mode, step.transport, step.engine_urls, step.clear_cache, model_dir)
+        key = (step.transport, step.engine_urls, step.clear_cache, model_dir)
         if key not in updaters or step.expect_error:
             engines = []
             for url in step.engine_urls:
@@ -193,7 +191,6 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
                 engine.init()
                 engines.append(engine)
             config = WeightSyncConfig(
-                mode=step.mode,
                 transport=step.transport,
                 update_weight_buffer_size=step.bucket_bytes,
                 clear_cache_on_pause=step.clear_cache,
@@ -201,12 +198,7 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
                 barrier_timeout_s=60,
                 transfer_timeout_s=60,
             )
-            cls = (
-                UpdateWeightFromDistributed
-                if step.mode == "distributed"
-                else UpdateWeightFromTensor
-            )
-            updater = cls(
+            updater = WeightUpdater(
                 config=config,
                 engines=engines,
                 model=model,

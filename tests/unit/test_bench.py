@@ -8,6 +8,8 @@ from vime.bench.loop import format_report, step_figures
 from vime.bench.sync import DtypeResult, Measurement, format_table, parse_env, summarize
 from vime.cli import main as vime_main
 
+pytestmark = pytest.mark.unit
+
 
 def _result() -> DtypeResult:
     def sync(method: str, total: float, requests: int) -> Measurement:

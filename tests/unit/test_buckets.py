@@ -269,7 +269,7 @@ def test_nccl_transport_payloads_parse_in_vllm():
         NCCLWeightTransferUpdateInfo,
     )
 
-    from vime.weight_sync.transports import NcclTransport
+    from vime.weight_sync.transports.nccl import NcclTransport
 
     transport = NcclTransport(
         engine_world_sizes=[2, 1],
@@ -295,7 +295,7 @@ def test_ipc_transport_payload_parses_in_vllm(monkeypatch):
     from vllm import envs
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
 
-    from vime.weight_sync.transports import IpcTransport
+    from vime.weight_sync.transports.ipc import IpcTransport
 
     monkeypatch.setattr(envs, "VLLM_ALLOW_INSECURE_SERIALIZATION", True, raising=False)
     (bucket,) = plan_buckets(

@@ -82,13 +82,10 @@ def test_overrides_reach_the_trainer_quoted(tmp_path):
 
 
 def test_layout_errors_say_how_to_fix():
-    with pytest.raises(ValueError, match="trainer_nodes=2 .colocated. or weight_sync.mode"):
-        rendered(
-            "slurm_cpu_2node",
-            "weight_sync.mode=tensor",
-            "weight_sync.transport=shm",
-            "engine.weight_transfer_backend=shm",
-        )
+    with pytest.raises(
+        ValueError, match="trainer_nodes=2 .colocated. or weight_sync.transport gloo"
+    ):
+        rendered("slurm_cpu_2node", "weight_sync.transport=shm")
     with pytest.raises(ValueError, match="STRICT_SPREAD"):
         rendered(
             "slurm_cpu_2node", "cluster.placement_strategy=STRICT_SPREAD", "engine.num_engines=2"

@@ -21,13 +21,25 @@ def test_there_are_configs():
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_config_loads(path):
     config = load_config(TrainConfig, path)
-    assert config.engine.weight_transfer_backend == config.weight_sync.transport
+    # The one switch sets the engines' backend; the resolved config loads back as it is.
+    assert config.engine.weight_transfer_backend == config.weight_sync.transport.kind
+    dumped = config.model_dump(exclude={"engine": {"weight_transfer_backend"}})
+    assert TrainConfig.model_validate(dumped) == config
 
 
-def test_backend_mismatch_says_how_to_fix():
+def test_old_backend_keys_say_what_to_write():
     path = CONFIGS[0]
-    with pytest.raises(ValueError, match="set both to the same value"):
-        load_config(TrainConfig, path, ["engine.weight_transfer_backend=gloo"])
+    with pytest.raises(ValueError, match="weight_sync.transport .here 'shm'. sets the engines"):
+        load_config(TrainConfig, path, ["engine.weight_transfer_backend=shm"])
+    with pytest.raises(ValueError, match="remove weight_sync.mode"):
+        load_config(TrainConfig, path, ["weight_sync.mode=tensor"])
+    with pytest.raises(ValueError, match="always pauses with mode=keep"):
+        load_config(TrainConfig, path, ["engine.pause_mode=keep"])
+
+
+def test_transport_override_switches_the_engines_backend():
+    config = load_config(TrainConfig, CONFIGS[0], ["weight_sync.transport=gloo"])
+    assert config.engine.weight_transfer_backend == "gloo"
 
 
 def test_reference_kl_is_rejected_until_supported():

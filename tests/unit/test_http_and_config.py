@@ -77,12 +77,12 @@ def test_request_json_silent_server_times_out():
 
 def test_engine_config_errors_name_the_field(tmp_path):
     path = tmp_path / "engine.yaml"
-    path.write_text("model_path: /m\nnum_engines: 0\npause_mode: freeze\nbogus: 1\n")
+    path.write_text("model_path: /m\nnum_engines: 0\ndtype: float64\nbogus: 1\n")
     with pytest.raises(ValueError) as info:
         load_config(EngineConfig, path)
     message = str(info.value)
-    assert "num_engines" in message and "pause_mode" in message and "bogus" in message
-    assert "'freeze'" in message
+    assert "num_engines" in message and "dtype" in message and "bogus" in message
+    assert "'float64'" in message
 
 
 def test_external_url_must_be_http():

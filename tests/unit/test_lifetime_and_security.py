@@ -21,12 +21,8 @@ from vime.rollout import auth
 from vime.rollout.server import EngineStartError, build_server_command, check_vllm_server
 from vime.rollout.watchdog import EngineFailedError, EngineWatchdog, probe
 from vime.utils.http import EngineHTTPError
-from vime.weight_sync.transports.shm import (
-    SEGMENT_NAME,
-    ShmTransport,
-    check_segment_name,
-    sweep_stale_segments,
-)
+from vime.weight_sync.names import SEGMENT_NAME, check_segment_name
+from vime.weight_sync.transports.shm import ShmTransport, sweep_stale_segments
 
 pytestmark = pytest.mark.unit
 
@@ -226,3 +222,20 @@ def test_a_rank_whose_launcher_dies_is_told(tmp_path):
     while not out.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert "launcher pid" in out.read_text() and "exited" in out.read_text()
+
+
+def test_engine_half_imports_no_trainer_code():
+    """A vLLM worker loading vime's backends pulls in neither the trainer transports nor megatron."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, vime.weight_sync.vllm_extension; "
+        "print(' '.join(m for m in sys.modules if m.startswith(('vime', 'megatron'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.split()
+    assert "vime.weight_sync.vllm_extension" in out
+    trainer_side = [m for m in out if m.startswith(("vime.weight_sync.transports", "megatron"))]
+    assert trainer_side == [], trainer_side

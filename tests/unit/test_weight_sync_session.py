@@ -19,6 +19,8 @@ from vime.weight_sync.session import WeightSyncError, call_engines, run_sync_ses
 
 pytestmark = pytest.mark.unit
 
+ONE_STAGE = {"pp_rank": 0, "pp_size": 1}
+
 
 class FakeEngine:
     """Records control calls; `fail` maps a method name to the exception it raises."""
@@ -70,7 +72,9 @@ def test_session_runs_phases_in_order(group):
         engines=engines,
         group=group,
         weight_version=7,
-        send_weights=lambda: log.append(("trainer", "send")),
+        pp_rank=0,
+        pp_size=1,
+        send_stage=lambda: log.append(("trainer", "send")),
     )
     phases = [entry[1] for entry in log]
     assert (
@@ -91,7 +95,7 @@ def test_unflushable_prefix_cache_is_reported_not_fatal(group):
     log: list = []
     engines = [FakeEngine(log, "e0", hold_blocks=True), FakeEngine(log, "e1")]
     report = run_sync_session(
-        engines=engines, group=group, weight_version=1, send_weights=lambda: None
+        engines=engines, group=group, weight_version=1, **ONE_STAGE, send_stage=lambda: None
     )
     assert report.prefix_cache_flushed is False
     assert log[-1][1] == "resume"
@@ -108,7 +112,9 @@ def test_failure_names_phase_and_engine_and_resumes(group, phase):
             raise RuntimeError("transport broke")
 
     with pytest.raises(WeightSyncError) as info:
-        run_sync_session(engines=engines, group=group, weight_version=3, send_weights=send)
+        run_sync_session(
+            engines=engines, group=group, weight_version=3, **ONE_STAGE, send_stage=send
+        )
     assert info.value.phase == phase
     if phase != "send":
         assert "engine 1" in str(info.value) and "boom" in str(info.value)
@@ -133,14 +139,30 @@ def test_hanging_engine_call_times_out():
     assert time.monotonic() - started < 2
 
 
+def test_transport_kind_alone_or_with_its_fields():
+    assert WeightSyncConfig(transport="shm").transport.kind == "shm"
+    config = WeightSyncConfig.model_validate(
+        {"transport": {"kind": "gloo", "master_port_range": [29600, 29699]}}
+    )
+    assert config.transport.shape == "distributed"
+    assert config.transport.master_port_range == (29600, 29699)
+    assert WeightSyncConfig().transport.kind == "gloo"
+
+
 @pytest.mark.parametrize(
-    ("mode", "transport"), [("tensor", "gloo"), ("tensor", "nccl"), ("distributed", "shm")]
+    ("old", "says"),
+    [
+        ({"mode": "tensor", "transport": "shm"}, "weight_sync.transport picks the shape"),
+        ({"master_port_range": [29600, 29699]}, "under weight_sync.transport"),
+    ],
 )
-def test_config_rejects_transport_of_the_other_mode(mode, transport):
-    with pytest.raises(ValueError, match=f"transport '{transport}' does not serve mode"):
-        WeightSyncConfig(mode=mode, transport=transport)
+def test_old_weight_sync_keys_say_what_to_write(old, says):
+    with pytest.raises(ValueError, match=says):
+        WeightSyncConfig.model_validate(old)
 
 
-def test_config_accepts_matching_transports():
-    for mode, transport in [("distributed", "gloo"), ("distributed", "nccl"), ("tensor", "shm")]:
-        assert WeightSyncConfig(mode=mode, transport=transport).transport == transport
+def test_fields_of_another_transport_are_refused():
+    with pytest.raises(ValueError, match="master_port_range"):
+        WeightSyncConfig.model_validate({"transport": {"kind": "shm", "master_port_range": [1, 2]}})
+    with pytest.raises(ValueError, match="'tcp'"):
+        WeightSyncConfig.model_validate({"transport": "tcp"})

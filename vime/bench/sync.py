@@ -48,7 +48,7 @@ logger = logging.getLogger("vime.bench")
 
 _ALL_CORES = frozenset(os.sched_getaffinity(0))
 
-TRANSPORT_MODE = {"shm": "tensor", "gloo": "distributed"}
+BENCH_TRANSPORTS = ("gloo", "shm")  # the CPU ones
 # The columns of a sync, in order; with "other" (barriers, bookkeeping) they add up to the total
 # from pause to resume. "wait" is the trainer waiting for the bytes to move and the engines to load
 # them, beyond the packing it overlaps with.
@@ -233,19 +233,15 @@ class Trainer:
 
     def updater(self, transport: str, engine: Any, bucket_bytes: int, version: int) -> Any:
         from vime.config import WeightSyncConfig
-        from vime.weight_sync.update_from_distributed import UpdateWeightFromDistributed
-        from vime.weight_sync.update_from_tensor import UpdateWeightFromTensor
+        from vime.weight_sync.updater import WeightUpdater
 
-        mode = TRANSPORT_MODE[transport]
         config = WeightSyncConfig(
-            mode=mode,
             transport=transport,
             update_weight_buffer_size=bucket_bytes,
             transfer_timeout_s=900,
             barrier_timeout_s=900,
         )
-        cls = UpdateWeightFromTensor if mode == "tensor" else UpdateWeightFromDistributed
-        updater = cls(
+        updater = WeightUpdater(
             config=config,
             engines=[engine],
             model=self.model,
@@ -377,7 +373,9 @@ def bench_control(
             engines=[engine],
             group=trainer.sync_group,
             weight_version=version + index,
-            send_weights=lambda: None,
+            pp_rank=0,
+            pp_size=1,
+            send_stage=lambda: None,
             call_timeout_s=120,
             barrier_timeout_s=120,
         )
@@ -655,7 +653,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"]
     )
     parser.add_argument(
-        "--transports", nargs="+", default=["shm", "gloo"], choices=sorted(TRANSPORT_MODE)
+        "--transports", nargs="+", default=["shm", "gloo"], choices=BENCH_TRANSPORTS
     )
     parser.add_argument(
         "--baselines", nargs="*", default=["disk", "naive"], choices=["disk", "naive"]

@@ -126,7 +126,7 @@ def _start_local_head(cluster: ClusterConfig, node_address: str) -> str:
     # token at import: refresh them as ray.init(address="local") itself does.
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     from ray._private.authentication.authentication_token_setup import _enable_token_auth
-    from ray._raylet import AuthenticationTokenLoader
+    from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]
 
     _enable_token_auth()
     AuthenticationTokenLoader.instance().reset_cache()

@@ -49,12 +49,13 @@ def check_layout(config: Any) -> None:
     slurm = config.cluster.slurm
     if config.engine.external_urls:
         return
-    if config.weight_sync.mode == "tensor" and not slurm.colocated:
+    transport = config.weight_sync.transport
+    if transport.shape == "tensor" and not slurm.colocated:
         raise ValueError(
-            f"weight_sync.mode='tensor' ({config.weight_sync.transport}) reads the trainer's "
-            f"memory on the engine's node, but cluster.slurm puts the engines on "
-            f"{slurm.engine_nodes} node(s) of their own: set cluster.slurm.trainer_nodes="
-            f"{slurm.nodes} (colocated) or weight_sync.mode='distributed'"
+            f"weight_sync.transport {transport.kind!r} reads the trainer's memory on the "
+            f"engine's node, but cluster.slurm puts the engines on {slurm.engine_nodes} node(s) "
+            f"of their own: set cluster.slurm.trainer_nodes={slurm.nodes} (colocated) or "
+            "weight_sync.transport gloo (CPU) / nccl (GPU)"
         )
     engine_hosts = slurm.trainer_nodes if slurm.colocated else slurm.engine_nodes
     if config.cluster.placement_strategy == "STRICT_SPREAD" and (
@@ -95,10 +96,11 @@ def layout_comment(config: Any) -> str:
             f"{where}, Ray placement {config.cluster.placement_strategy}"
         )
     lines.append(
-        f"#   weight sync: {config.weight_sync.mode} ({config.weight_sync.transport}), from each "
+        f"#   weight sync: {config.weight_sync.transport.kind} "
+        f"(UpdateWeightFrom{config.weight_sync.transport.shape.capitalize()}), from each "
         "pipeline stage's sender"
     )
-    if config.weight_sync.mode == "distributed" and not engine.external_urls:
+    if config.weight_sync.transport.shape == "distributed" and not engine.external_urls:
         tp = engine.tensor_parallel_size
         offsets = [1 + index * tp for index in range(engine.num_engines)]
         lines.append(

@@ -90,7 +90,10 @@ def _stage_of(name: str, layer_ranges: list[range]) -> int:
         return 0
     if name in (FINAL_NORM, OUTPUT_LAYER):
         return len(layer_ranges) - 1
-    layer = int(_LAYER.match(name).group(1))
+    match = _LAYER.match(name)
+    if match is None:
+        raise ValueError(f"{name!r} is no embedding, final norm, output layer or layer weight")
+    layer = int(match.group(1))
     return next(stage for stage, layers in enumerate(layer_ranges) if layer in layers)
 
 
@@ -173,8 +176,11 @@ class _StageGatherer:
 
     def expert(self, name: str) -> torch.Tensor | None:
         """Expert `e` of a layer; the EP gather for local expert j runs at e == j (< num_local)."""
-        layer, expert, suffix = _EXPERT.match(name).groups()
-        expert = int(expert)
+        match = _EXPERT.match(name)
+        if match is None:
+            raise ValueError(f"{name!r} is not an expert weight")
+        layer, expert_text, suffix = match.groups()
+        expert = int(expert_text)
         if expert < self.num_local_experts and self.join_expert_tp:
             local_name = f"decoder.layers.{layer}.mlp.experts.local_experts.{{}}.{suffix}"
             owned = self.topology.ep_rank * self.num_local_experts + expert

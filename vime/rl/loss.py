@@ -148,6 +148,8 @@ def grpo_loss(
     loss = -_masked_mean(objective, mask, token_level, num_batch_tokens)
 
     if config.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError(f"kl_coef={config.kl_coef} needs ref_logprobs (reference log-probs)")
         ref_diff = ref_logprobs.to(dtype) - train_logprobs
         kl = torch.exp(ref_diff) - ref_diff - 1
         kl_mean = _masked_mean(kl, mask, token_level, num_batch_tokens)

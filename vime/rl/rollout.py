@@ -133,10 +133,6 @@ class RolloutSample:
         return min(self.weight_versions) if self.weight_versions else None
 
     @property
-    def newest_version(self) -> int | None:
-        return max(self.weight_versions) if self.weight_versions else None
-
-    @property
     def version_span(self) -> int:
         """Newest minus oldest weight version among the tokens (0: one policy made them all)."""
         if not self.weight_versions:

@@ -211,7 +211,8 @@ class GenerationClient:
             return True
         except asyncio.CancelledError:
             # Cancelled by mark_down (the engine is gone), or is this caller being cancelled?
-            if asyncio.current_task().cancelling() or url not in self._down:
+            current = asyncio.current_task()
+            if (current is not None and current.cancelling()) or url not in self._down:
                 raise
             return False
         except GenerationError:
@@ -263,6 +264,7 @@ class GenerationClient:
                 up = [url for url in self.urls if url not in self._down]
                 if up:
                     return min(up, key=lambda url: self._in_flight[url])
+            assert self._changed is not None  # made with the loop above
             await self._changed.wait()
 
     async def _goes_down(self, url: str) -> bool:
@@ -271,6 +273,8 @@ class GenerationClient:
         while url not in self._down:
             left = deadline - time.monotonic()
             if left <= 0:
+                return False
+            if self._changed is None:  # no engine was waited for yet: nothing can change it
                 return False
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=left)
@@ -326,17 +330,3 @@ class GenerationClient:
                 f"for request {result.request_id}"
             )
         result.weight_versions = expand_weight_versions(spans, len(result.token_ids))
-
-    async def generate_many(
-        self,
-        prompts: Sequence[Sequence[int]],
-        sampling: SamplingConfig,
-        *,
-        on_tokens: Callable[[GenerationResult], None] | None = None,
-    ) -> list[GenerationResult]:
-        """Generate all prompts concurrently across the engines; results in prompt order."""
-        return list(
-            await asyncio.gather(
-                *(self.generate(prompt, sampling, on_tokens=on_tokens) for prompt in prompts)
-            )
-        )

@@ -91,7 +91,7 @@ def unlink_owned(paths: set[str]) -> list[str]:
 def end_group(
     pgid: int,
     grace_s: float,
-    reap: Callable[[], None] = lambda: None,
+    reap: Callable[[], object] = lambda: None,
     seen_segments: Iterable[str] = (),
 ) -> list[str]:
     """SIGTERM every process of group `pgid` but this one, SIGKILL what is left after grace_s,
@@ -162,8 +162,9 @@ class KeptProcess:
         while self.poll() is None:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise subprocess.TimeoutExpired(f"keeper {self.pid}", timeout)
+                raise subprocess.TimeoutExpired(f"keeper {self.pid}", timeout or 0.0)
             select.select([self._pidfd], [], [], left)
+        assert self.returncode is not None  # poll() set it
         return self.returncode
 
     def send_signal(self, sig: int) -> None:

@@ -323,7 +323,7 @@ def wait_until_healthy(
     url: str,
     *,
     timeout_s: float,
-    process: subprocess.Popen | None = None,
+    process: subprocess.Popen | KeptProcess | None = None,
     log_path: Path | None = None,
     poll_s: float = 0.5,
     token: str | None = None,

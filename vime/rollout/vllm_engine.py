@@ -16,14 +16,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from vime.cluster.addresses import node_address
-from vime.config import EngineConfig, PauseMode
+from vime.config import EngineConfig
 from vime.rollout.auth import auth_headers, new_token
 from vime.rollout.server import ServerProcess, check_vllm_server, launch_server
 from vime.utils.http import EngineHTTPError, request_json
+
+PauseMode = Literal["keep", "wait", "abort"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,10 +111,6 @@ class VLLMEngine:
     def auth_headers(self) -> dict[str, str]:
         return auth_headers(self._token)
 
-    def get_url(self) -> str:
-        """The base URL (a method, so Ray actor callers can ask for it)."""
-        return self.url
-
     def node_info(self) -> dict[str, str]:
         """Where this engine object runs: hostname, node address, Ray node id (if in Ray)."""
         info = {
@@ -148,7 +146,7 @@ class VLLMEngine:
         began = time.monotonic()
         self._server = launch_server(
             self.config,
-            host=address.hostname,
+            host=address.hostname or "127.0.0.1",
             port=address.port,
             log_path=self._server.log_path,
             rank=self.rank,
@@ -213,16 +211,13 @@ class VLLMEngine:
 
     # ---- pause / resume --------------------------------------------------------------------
 
-    def pause_generation(
-        self, mode: PauseMode | None = None, clear_cache: bool | None = None
-    ) -> dict | None:
+    def pause_generation(self, mode: PauseMode = "keep", clear_cache: bool = False) -> dict | None:
         """POST /pause. `keep` freezes every request (none lost); returns once the engine is idle.
 
-        Defaults come from the config (keep, clear_cache=False). With clear_cache=True the engine
-        preempts paused requests and frees their KV: they re-prefill on the new weights on resume.
+        With clear_cache=True the engine preempts paused requests and frees their KV: they
+        re-prefill on the new weights on resume. `wait` drains, `abort` drops what is in flight.
         """
-        mode = mode if mode is not None else self.config.pause_mode
-        clear = clear_cache if clear_cache is not None else self.config.clear_cache_on_pause
+        clear = clear_cache
         if mode not in ("keep", "wait", "abort"):
             raise ValueError(f"pause mode {mode!r} is not one of 'keep', 'wait', 'abort'")
         return self._call(
@@ -238,7 +233,7 @@ class VLLMEngine:
         return None if body is None else bool(body["is_paused"])
 
     def flush_cache(
-        self, timeout_s: float | None = None, poll_s: float = 0.05, raise_on_timeout: bool = True
+        self, timeout_s: float = 30.0, poll_s: float = 0.05, raise_on_timeout: bool = True
     ) -> bool | None:
         """POST /reset_prefix_cache until it succeeds; FlushCacheError after `timeout_s`.
 
@@ -248,7 +243,6 @@ class VLLMEngine:
         """
         if self.node_rank != 0:
             return None
-        timeout_s = timeout_s if timeout_s is not None else self.config.flush_cache_timeout_s
         deadline = time.monotonic() + timeout_s
         attempts = 0
         while True:
@@ -301,11 +295,6 @@ class VLLMEngine:
             "GET", "/get_world_size", params={"include_dp": "true" if include_dp else "false"}
         )
         return None if body is None else int(body["world_size"])
-
-    def weight_checksums(self) -> dict[str, str] | None:
-        """Per-tensor checksums of the weights the engine serves (POST /weight_checker)."""
-        body = self._call("POST", "/weight_checker", json={"action": "checksum"})
-        return None if body is None else body["checksums"]
 
     def collective_rpc(
         self, method: str, args: list[str] | None = None, kwargs: dict[str, str] | None = None

@@ -18,7 +18,7 @@ def free_port(address: str = "127.0.0.1", port_range: tuple[int, int] | None = N
                 continue
             return sock.getsockname()[1]
     raise RuntimeError(
-        f"no free port at {address} in {port_range[0]}-{port_range[1]}: widen the range or stop "
+        f"no free port at {address} in {candidates[0]}-{candidates[-1]}: widen the range or stop "
         "what holds those ports"
     )
 

@@ -4,11 +4,11 @@
 - `transports`: the trainer half of each backend (gloo, shm, nccl, ipc), one interface.
 - `vllm_extension`: the engine half of the vime backends (gloo, shm) plus checksum/metadata RPCs;
   imported by vLLM workers through `--worker-extension-cls`, never by the trainer.
-- `session`: `run_sync_session`, the one function that orders pause, flush, start, send, finish
-  and resume across trainer ranks.
-- `update_from_distributed` / `update_from_tensor`: the updaters trainers use
-  (`UpdateWeightFromDistributed`: gloo/nccl broadcast; `UpdateWeightFromTensor`: shm/ipc,
-  colocated), sharing `updater.WeightUpdater`.
+- `session`: `run_sync_session`, the seed's sequence (pause, flush, start, each stage's send,
+  finish, resume) across trainer ranks, top to bottom.
+- `updater`: `WeightUpdater`, what trainers use: checks the engines, plans buckets, runs the
+  session over the transport `weight_sync.transport` names (gloo/nccl: the seed's
+  UpdateWeightFromDistributed; shm/ipc: UpdateWeightFromTensor).
 """
 
 from vime.weight_sync.buckets import (
@@ -22,11 +22,8 @@ from vime.weight_sync.buckets import (
     unpack,
 )
 
-WORKER_EXTENSION_CLS = "vime.weight_sync.vllm_extension.VimeWorkerExtension"
-
 __all__ = [
     "ALIGNMENT",
-    "WORKER_EXTENSION_CLS",
     "Bucket",
     "TensorMeta",
     "check_against_engine",

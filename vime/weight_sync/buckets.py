@@ -134,11 +134,12 @@ def _nbytes(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
 
 def _as_spec(param: TensorMeta | ParamSpec) -> tuple[str, torch.dtype, tuple[int, ...]]:
     if isinstance(param, TensorMeta):
-        name, dtype, shape = param.name, param.dtype, param.shape
+        name, dtype, shape = param.name, param.dtype, tuple(param.shape)
     else:
         if len(param) != 3:
             raise ValueError(f"expected (name, dtype, shape), got {param!r}")
-        name, dtype, shape = param
+        name, dtype, given_shape = param
+        shape = tuple(given_shape)
     if not isinstance(name, str) or not name:
         raise ValueError(f"tensor name must be a non-empty string, got {name!r}")
     if isinstance(dtype, str):

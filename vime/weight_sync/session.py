@@ -1,19 +1,22 @@
 """The weight-sync session: the one place that orders pause, update and resume across trainer ranks.
 
-Every trainer rank calls `run_sync_session` with the same arguments except `send_weights` (what
-this rank moves, possibly nothing). Rank 0 of `group` drives the engines' control plane; the
-others only send their buckets. Phases end in a *checked barrier* on the gloo `group`: every rank
-reports whether its phase succeeded, so a failure on any rank stops every rank at the same point,
-and each wait is bounded by a timeout.
+`run_sync_session` is the seed's sequence, top to bottom: rank 0 pauses every engine (keep) and
+flushes their prefix caches, starts the update, each pipeline stage sends in its turn, rank 0
+finishes the update with the new version and resumes the engines. Every trainer rank runs the
+same lines (ranks other than 0 with no engines to call), and every step ends in a *checked
+barrier* on the gloo `group`: each rank says whether its part failed, so a failure anywhere stops
+every rank at the same point, each wait bounded by a timeout. Two context managers undo what a
+failure leaves open: `updating` ends an update that started, `paused` resumes the engines.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -29,7 +32,7 @@ class Engine(Protocol):
 
     def pause_generation(self, mode: Any = None, clear_cache: bool | None = None) -> Any: ...
     def continue_generation(self) -> Any: ...
-    def flush_cache(self, timeout_s: float | None = None) -> Any: ...
+    def flush_cache(self, timeout_s: float | None = None, raise_on_timeout: bool = True) -> Any: ...
     def start_weight_update(self) -> Any: ...
     def finish_weight_update(self, weight_version: str | int | None) -> Any: ...
 
@@ -47,8 +50,8 @@ class SyncReport:
     """What one sync did, as seen from this rank (engine phases are timed on rank 0 only)."""
 
     weight_version: int
-    # Per phase, each including its barrier: pause, flush (rank 0), start, send, finish,
-    # verify (when asked), resume.
+    # Per step, each including its barrier: pause, flush, start, send (all stages' turns),
+    # finish, verify (when asked), resume.
     seconds: dict[str, float] = field(default_factory=dict)
     prefix_cache_flushed: bool | None = None  # None on ranks other than 0
     num_buckets: int = 0  # sent by this rank
@@ -135,122 +138,58 @@ def run_sync_session(
     engines: Sequence[Engine],
     group: Any,
     weight_version: int,
-    send_weights: Callable[[], None],
+    pp_rank: int,
+    pp_size: int,
+    send_stage: Callable[[], None],
     verify: Callable[[], None] | None = None,
     clear_cache: bool = False,
     flush_timeout_s: float = 1.0,
     call_timeout_s: float = 600.0,
     barrier_timeout_s: float = 600.0,
 ) -> SyncReport:
-    """One weight sync, on every trainer rank of the gloo `group`. The order:
+    """One weight sync, called on every trainer rank of the gloo `group` with the same arguments
+    except `pp_rank` and `send_stage` (what this rank does in its stage's turn: the stage's ranks
+    gather, its sender moves the buckets). The caller has already incremented `weight_version`
+    and checked names, dtypes and shapes against the engines.
 
-    0. the caller has already incremented `weight_version` and checked names, dtypes and shapes;
-    1. rank 0 pauses every engine in parallel (mode keep, `clear_cache`) and then flushes their
-       prefix caches (retried up to `flush_timeout_s` with clear_cache=True, tried once without:
-       with clear_cache=False and requests in flight the frozen requests hold KV blocks and the
-       flush cannot succeed); a failed flush is logged as a warning and reported as
-       `prefix_cache_flushed=False`, not an error;
-       barrier;
-    2. rank 0 calls start_weight_update on every engine; barrier;
-    3. every rank runs `send_weights` (pp senders move their buckets, turn by turn); barrier;
-    4. rank 0 calls finish_weight_update(str(weight_version)) on every engine; barrier;
-    5. `verify`, if given (on every rank or none), e.g. engine checksums against what this rank
-       sent; barrier;
-    6. rank 0 continues every engine; barrier.
+    With clear_cache=False and requests in flight, the frozen requests hold KV blocks and the
+    prefix cache cannot be flushed before resume: that is reported as
+    `prefix_cache_flushed=False` and logged, not raised. `verify`, if given, runs on every rank.
 
-    Each engine call and each barrier has a timeout. On a failure every rank raises
-    WeightSyncError naming the phase (and the engine, on rank 0); before raising, rank 0 makes
-    sure no engine stays paused or mid-update: after a start it calls finish_weight_update with
-    version "<weight_version>-failed" (weights may be partly new: sync again before trusting
-    them), then continues every engine, best effort.
+    On a failure every rank raises WeightSyncError naming the step (and the engine, on rank 0).
+    Before that rank 0 ends an open update with version "<weight_version>-failed" (weights may
+    be partly new: sync again before trusting them) and resumes every engine, best effort.
     """
     rank = dist.get_rank(group)
-    driver = rank == 0
+    engines = engines if rank == 0 else []  # only rank 0 calls the engines
     report = SyncReport(weight_version=weight_version)
-    state = {"paused": False, "started": False}
-
-    def pause() -> None:
-        state["paused"] = True  # a pause that failed halfway may still have paused some engines
-        call_engines(
-            engines,
-            "pause",
-            lambda e: e.pause_generation(mode="keep", clear_cache=clear_cache),
-            timeout_s=call_timeout_s,
-        )
+    step = CheckedSteps(
+        group, barrier_timeout_s, report.seconds, f"weight version {weight_version}"
+    )
+    control = _Control(engines, call_timeout_s)
 
     def flush() -> None:
-        began = time.monotonic()
-        # After a keep pause with clear_cache=False, frozen requests hold their KV blocks until
-        # they finish: a flush that fails once cannot succeed before resume, so it is not retried
-        # (retrying cost the async loop 0.2 s per sync). With clear_cache=True the pause freed
-        # them and retries cover a scheduler that has not let go yet.
-        retry_s = flush_timeout_s if clear_cache else 0.0
+        report.prefix_cache_flushed = control.flush(clear_cache, flush_timeout_s)
 
-        def flush_one(engine: Any) -> bool:
-            return bool(engine.flush_cache(timeout_s=retry_s, raise_on_timeout=False))
+    with control.paused():
+        step("pause", lambda: control.pause(clear_cache))
+        step("flush", flush)
+        with control.updating(weight_version):
+            step("start", control.start)
+            for stage in range(pp_size):  # stages take turns: one engine loads one stage at a time
+                step("send", send_stage if stage == pp_rank else None, f"pp stage {stage}")
+            step("finish", lambda: control.finish(str(weight_version)))
+        if verify is not None:
+            step("verify", verify)
+        step("resume", control.resume)
 
-        flushed = call_engines(engines, "flush", flush_one, timeout_s=retry_s + call_timeout_s)
-        report.prefix_cache_flushed = all(flushed)
-        report.seconds["flush"] = time.monotonic() - began
-        if not report.prefix_cache_flushed:
-            logger.warning(
-                "weight version %d: prefix caches not flushed (clear_cache=%s with requests in "
-                "flight); new requests may reuse prefixes computed by the old weights",
-                weight_version,
-                clear_cache,
-            )
-
-    def start() -> None:
-        state["started"] = True
-        call_engines(engines, "start", lambda e: e.start_weight_update(), timeout_s=call_timeout_s)
-
-    def finish() -> None:
-        version = str(weight_version)
-        call_engines(
-            engines, "finish", lambda e: e.finish_weight_update(version), timeout_s=call_timeout_s
+    if report.prefix_cache_flushed is False:
+        logger.warning(
+            "weight version %d: prefix caches not flushed (clear_cache=%s with requests in "
+            "flight); new requests may reuse prefixes computed by the old weights",
+            weight_version,
+            clear_cache,
         )
-        state["started"] = False
-
-    def resume() -> None:
-        call_engines(engines, "resume", lambda e: e.continue_generation(), timeout_s=call_timeout_s)
-        state["paused"] = False
-
-    steps: list[tuple[str, Callable[[], None] | None]] = [
-        ("pause", (lambda: (pause(), flush())) if driver else None),
-        ("start", start if driver else None),
-        ("send", send_weights),
-        ("finish", finish if driver else None),
-        ("verify", verify),
-        ("resume", resume if driver else None),
-    ]
-    if verify is None:  # the same on every rank: the phase and its barrier are skipped
-        steps = [(phase, step) for phase, step in steps if phase != "verify"]
-    for phase, step in steps:
-        began = time.monotonic()
-        error: BaseException | None = None
-        if step is not None:
-            try:
-                step()
-            except Exception as exc:
-                error = exc
-                logger.error("weight version %d: phase %r failed: %s", weight_version, phase, exc)
-        try:
-            checked_barrier(group, phase, error is not None, barrier_timeout_s)
-        except WeightSyncError as barrier_error:
-            error = error or barrier_error
-        report.seconds[phase] = (
-            time.monotonic() - began - report.seconds.get("flush", 0.0) * (phase == "pause")
-        )
-        if error is not None:
-            if driver:
-                _recover(engines, state, weight_version, call_timeout_s)
-            if isinstance(error, WeightSyncError):
-                raise error
-            raise WeightSyncError(
-                f"weight sync phase {phase!r} failed on trainer rank {rank}: "
-                f"{type(error).__name__}: {error}",
-                phase=phase,
-            ) from error
     logger.info(
         "weight version %d synced in %.3f s (%s)",
         weight_version,
@@ -260,22 +199,111 @@ def run_sync_session(
     return report
 
 
-def _recover(
-    engines: Sequence[Engine], state: dict[str, bool], weight_version: int, timeout_s: float
-) -> None:
-    """Best effort after a failure: end an open update, then continue every engine."""
-    if state["started"]:
+class CheckedSteps:
+    """`step(phase, fn)`: run `fn` (None: nothing to do on this rank), then a checked barrier.
+
+    Each step's time, barrier included, is added to `seconds[phase]`. A failure on this rank
+    or any other raises WeightSyncError(phase=phase) on every rank after the barrier.
+    """
+
+    def __init__(self, group: Any, barrier_timeout_s: float, seconds: dict[str, float], what: str):
+        self.group, self.barrier_timeout_s, self.seconds, self.what = (
+            group,
+            barrier_timeout_s,
+            seconds,
+            what,
+        )
+
+    def __call__(self, phase: str, fn: Callable[[], Any] | None, detail: str = "") -> None:
+        where = f"{phase} ({detail})" if detail else phase
+        began = time.monotonic()
+        error: BaseException | None = None
+        if fn is not None:
+            try:
+                fn()
+            except Exception as exc:
+                error = exc
+                logger.error("%s: step %r failed: %s", self.what, where, exc)
         try:
-            call_engines(
-                engines,
-                "finish",
-                lambda e: e.finish_weight_update(f"{weight_version}-failed"),
-                timeout_s=timeout_s,
-            )
-        except WeightSyncError as exc:
-            logger.error("recovery: %s", exc)
-    if state["paused"]:
+            checked_barrier(self.group, where, error is not None, self.barrier_timeout_s)
+        except WeightSyncError as barrier_error:
+            error = error or barrier_error
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.monotonic() - began
+        if isinstance(error, WeightSyncError):
+            error.phase = phase
+            raise error
+        if error is not None:
+            rank = dist.get_rank(self.group)
+            raise WeightSyncError(
+                f"weight sync phase {where!r} failed on trainer rank {rank}: "
+                f"{type(error).__name__}: {error}",
+                phase=phase,
+            ) from error
+
+
+class _Control:
+    """Rank 0's engine calls, each on every engine in parallel; with no engines, all no-ops."""
+
+    def __init__(self, engines: Sequence[Engine], timeout_s: float):
+        self.engines, self.timeout_s = engines, timeout_s
+
+    def _all(self, phase: str, call: Callable[[Any], Any], timeout_s: float = 0.0) -> list[Any]:
+        return call_engines(self.engines, phase, call, timeout_s=timeout_s or self.timeout_s)
+
+    def pause(self, clear_cache: bool) -> None:
+        # keep: requests in flight freeze and continue on the new weights; none is lost.
+        self._all("pause", lambda e: e.pause_generation(mode="keep", clear_cache=clear_cache))
+
+    def flush(self, clear_cache: bool, timeout_s: float) -> bool | None:
+        """Whether every engine's prefix cache is now empty (None: no engines here); never
+        raises for a cache that is still in use."""
+        if not self.engines:
+            return None
+        # After a keep pause with clear_cache=False, frozen requests hold their KV blocks until
+        # they finish: a flush that fails once cannot succeed before resume, so it is not retried
+        # (retrying cost the async loop 0.2 s per sync). With clear_cache=True the pause freed
+        # them and retries cover a scheduler that has not let go yet.
+        retry_s = timeout_s if clear_cache else 0.0
+        flushed = self._all(
+            "flush",
+            lambda e: bool(e.flush_cache(timeout_s=retry_s, raise_on_timeout=False)),
+            timeout_s=retry_s + self.timeout_s,
+        )
+        return all(flushed)
+
+    def start(self) -> None:
+        self._all("start", lambda e: e.start_weight_update())
+
+    def finish(self, version: str) -> None:
+        self._all("finish", lambda e: e.finish_weight_update(version))
+
+    def resume(self) -> None:
+        self._all("resume", lambda e: e.continue_generation())
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Resume every engine if the block fails (a half-failed pause may have paused some)."""
         try:
-            call_engines(engines, "resume", lambda e: e.continue_generation(), timeout_s=timeout_s)
+            yield
+        except BaseException:
+            self._best_effort("resume", self.resume, "engines may still be paused")
+            raise
+
+    @contextmanager
+    def updating(self, weight_version: int) -> Iterator[None]:
+        """End the update with version "<weight_version>-failed" if the block fails after start."""
+        try:
+            yield
+        except BaseException:
+            # Also after a failed start or finish: they may have reached some engines.
+            failed = f"{weight_version}-failed"
+            self._best_effort("finish", lambda: self.finish(failed), "update left open")
+            raise
+
+    def _best_effort(self, what: str, call: Callable[[], None], consequence: str) -> None:
+        if not self.engines:
+            return
+        try:
+            call()
         except WeightSyncError as exc:
-            logger.error("recovery: engines may still be paused: %s", exc)
+            logger.error("recovery (%s): %s: %s", what, consequence, exc)

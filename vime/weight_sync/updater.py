@@ -1,16 +1,18 @@
-"""What both weight updaters share: checking, planning, sending stage by stage, verifying.
+"""The weight updater: checks the engines, plans buckets, runs the session, verifies.
 
 Every trainer rank builds the same updater and calls `connect()` once, then `update_weights()`
 after each optimizer step. Each pipeline stage's *pp sender* (its tp=cp=dp rank 0, see
 `Topology.is_pp_sender`) gathers the stage's full HF tensors and moves them with a transport of
-its own; stages take turns (stage 0 sends, barrier, stage 1 sends, ...): several stages writing
-into the same engines at once would interleave their updates (and, with broadcast groups, can
-deadlock the engine, which receives one group at a time).
+its own, built from `weight_sync.transport`, which also decides the seed's shape: gloo / nccl
+are UpdateWeightFromDistributed (one broadcast group per stage, named `vime-pp_K`, of world size
+1 + all engines' workers; engine e's workers at rank offset 1 + the workers of engines before
+it), shm / ipc are UpdateWeightFromTensor (colocated engines read the senders' buffers). Stages
+take turns inside the session (`session.run_sync_session`).
 
-    updater = UpdateWeightFromDistributed(config=sync_config, engines=engines, model=model,
-                                          converter=converter, topology=topology,
-                                          gather_groups=GatherGroups.from_parallel_state(),
-                                          sync_group=gloo_group)
+    updater = WeightUpdater(config=sync_config, engines=engines, model=model,
+                            converter=converter, topology=topology,
+                            gather_groups=GatherGroups.from_parallel_state(),
+                            sync_group=gloo_group)
     updater.connect()                 # checks names/dtypes/shapes, then joins the engines
     report = updater.update_weights() # after each optimizer step, on every rank
 """
@@ -18,10 +20,9 @@ deadlock the engine, which receives one group at a time).
 from __future__ import annotations
 
 import logging
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,21 +42,19 @@ from vime.weight_sync.buckets import (
     tensor_digest,
 )
 from vime.weight_sync.session import (
+    CheckedSteps,
     SyncReport,
     WeightSyncError,
     call_engines,
-    checked_barrier,
     run_sync_session,
 )
-from vime.weight_sync.transports import Transport
+from vime.weight_sync.transports import SenderPlace, Transport, make_transport
 
 logger = logging.getLogger(__name__)
 
 
-class WeightUpdater(ABC):
-    """Pushes a Megatron model's weights into vLLM engines; subclasses pick the transport."""
-
-    mode: ClassVar[str]
+class WeightUpdater:
+    """Pushes a Megatron model's weights into vLLM engines over `config.transport`."""
 
     def __init__(
         self,
@@ -74,11 +73,6 @@ class WeightUpdater(ABC):
         `sync_group`: a gloo process group over all trainer ranks (its rank 0 drives the engines).
         `weight_version`: the version the engines serve now; each sync adds one.
         """
-        if config.mode != self.mode:
-            raise ValueError(
-                f"{type(self).__name__} runs weight_sync.mode={self.mode!r}, config has "
-                f"{config.mode!r}"
-            )
         if not engines:
             raise ValueError("no engines to update")
         self.config = config
@@ -106,9 +100,21 @@ class WeightUpdater(ABC):
         """The HF tensors this rank's pipeline stage sends, in sending order."""
         return [m for m in self.metadata if m.pp_stage == self.topology.pp_rank]
 
-    @abstractmethod
+    @property
+    def shape(self) -> str:
+        """The seed's name for what the transport does: UpdateWeightFrom{Distributed,Tensor}."""
+        return f"UpdateWeightFrom{self.config.transport.shape.capitalize()}"
+
     def make_transport(self) -> Transport:
         """This sender's transport for `config.transport` (not yet connected)."""
+        place = SenderPlace(
+            pp_rank=self.topology.pp_rank,
+            pp_size=self.topology.pp_size,
+            engine_world_sizes=lambda: [int(e.get_world_size()) for e in self.engines],
+            bucket_bytes=self.config.update_weight_buffer_size,
+            timeout_s=self.config.transfer_timeout_s,
+        )
+        return make_transport(self.config.transport, place)
 
     # ---- setup ------------------------------------------------------------------------------
 
@@ -141,7 +147,7 @@ class WeightUpdater(ABC):
                 )
             except WeightSyncError as exc:
                 problem = str(exc)
-        verdict = [problem, served]
+        verdict: list[Any] = [problem, served]
         dist.broadcast_object_list(verdict, group=self.sync_group, group_src=0)
         if verdict[0] is not None:
             raise ValueError(
@@ -164,11 +170,13 @@ class WeightUpdater(ABC):
             )
             self.transport.connect([e.init_weight_transfer_engine for e in self.engines])
 
-        self._stage_by_stage("connect", join)
+        step = CheckedSteps(self.sync_group, self.config.barrier_timeout_s, {}, "weight sync")
+        for stage in range(self.topology.pp_size):  # stages take turns, as in a sync
+            step("connect", join if stage == self.topology.pp_rank else None, f"pp stage {stage}")
         logger.info(
             "weight sync (%s, %s) connected to %d engines%s",
-            self.mode,
-            self.config.transport,
+            self.shape,
+            self.config.transport.kind,
             len(self.engines),
             f"; pp stage {self.topology.pp_rank} sends {len(self.buckets)} buckets"
             if self.is_sender
@@ -199,7 +207,9 @@ class WeightUpdater(ABC):
                 engines=self.engines,
                 group=self.sync_group,
                 weight_version=self.weight_version,
-                send_weights=lambda: self._send_stages(sent, counts),
+                pp_rank=self.topology.pp_rank,
+                pp_size=self.topology.pp_size,
+                send_stage=lambda: self._send_stage(sent, counts),
                 verify=verify,
                 clear_cache=self.config.clear_cache_on_pause,
                 flush_timeout_s=self.config.flush_cache_timeout_s,
@@ -227,29 +237,6 @@ class WeightUpdater(ABC):
         if inside:
             seconds["transfer"] = max(0.0, inside - own)
         return seconds
-
-    def _send_stages(self, sent: dict[str, dict[str, str]], counts: dict[str, int]) -> None:
-        """Stages take turns; within a stage's turn all its ranks gather, its sender sends."""
-        self._stage_by_stage("send", lambda: self._send_stage(sent, counts))
-
-    def _stage_by_stage(self, phase: str, step: Callable[[], None]) -> None:
-        """Pipeline stages take turns at `step`: stage k's ranks run it, then every rank meets at
-        a checked barrier, so a failure on any rank stops all ranks before the next stage."""
-        for stage in range(self.topology.pp_size):
-            error: Exception | None = None
-            if self.topology.pp_rank == stage:
-                try:
-                    step()
-                except Exception as exc:
-                    error = exc
-            checked_barrier(
-                self.sync_group,
-                f"{phase} (pp stage {stage})",
-                error is not None,
-                self.config.barrier_timeout_s,
-            )
-            if error is not None:
-                raise error
 
     def _send_stage(self, sent: dict[str, dict[str, str]], counts: dict[str, int]) -> None:
         gathered = gather_hf_weights(

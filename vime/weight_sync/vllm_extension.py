@@ -51,8 +51,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vime.cluster.addresses import HOST_IP_ENV
 from vime.utils.rendezvous import gloo_group
 from vime.weight_sync.buckets import Bucket, dtype_name, tensor_digest, unpack
-from vime.weight_sync.transports.gloo import DEFAULT_GROUP_NAME
-from vime.weight_sync.transports.shm import SHM_DIR, check_segment_name
+from vime.weight_sync.names import DEFAULT_GROUP_NAME, SHM_DIR, check_segment_name
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +112,11 @@ class ShmUpdateInfo(WeightTransferUpdateInfo):
 
     def __post_init__(self) -> None:
         self.parsed = _parse_buckets(self.buckets)
-        self.shm_names = [b.get("shm_name") for b in self.buckets]
-        for name in self.shm_names:
+        self.shm_names: list[str] = []
+        for bucket in self.buckets:
+            name = bucket.get("shm_name")
             check_segment_name(name if isinstance(name, str) else repr(name))
+            self.shm_names.append(str(name))
 
 
 class _BucketEngine(WeightTransferEngine):
@@ -235,6 +236,8 @@ class GlooWeightTransferEngine(_BucketEngine):
         options.rootRank = 0
         buckets = update_info.parsed
 
+        pending: tuple[torch.Tensor, Any] | None
+
         def post(position: int) -> tuple[torch.Tensor, Any]:
             buffer = self._receive_buffer(buckets[position].nbytes)
             return buffer, group.broadcast([buffer], options)
@@ -243,6 +246,7 @@ class GlooWeightTransferEngine(_BucketEngine):
             pending = post(0)
             for position, bucket in enumerate(buckets):
                 began = time.perf_counter()
+                assert pending is not None  # posted for every bucket before its turn
                 buffer, work = pending
                 work.wait(timeout)
                 self._count("receive", began)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from vime.utils.rendezvous import gloo_group, listening_store
 from vime.weight_sync.buckets import Bucket
+from vime.weight_sync.names import DEFAULT_GROUP_NAME
 from vime.weight_sync.transports.base import (
     EngineCall,
     FillBucket,
@@ -32,7 +33,6 @@ from vime.weight_sync.transports.base import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_GROUP_NAME = "vime-weight-sync"
 POLL_S = 0.0005
 
 
@@ -178,8 +178,9 @@ class GlooTransport(Transport):
         try:
             for position, bucket in enumerate(buckets):
                 slot = position % 2
-                if posted[slot] is not None:  # the slot's previous broadcast must be done
-                    self._wait(*posted[slot], in_flight)
+                previous = posted[slot]
+                if previous is not None:  # the slot's previous broadcast must be done
+                    self._wait(*previous, in_flight)
                     posted[slot] = None
                 if buffers is None:
                     buffer = self._staging(slot, bucket.nbytes)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,24 +32,10 @@ from typing import Any
 import torch
 
 from vime.weight_sync.buckets import Bucket
+from vime.weight_sync.names import SEGMENT_MODE, SEGMENT_NAME, SEGMENT_PREFIX, SHM_DIR
 from vime.weight_sync.transports.base import EngineCall, FillBucket, InFlightCalls, Transport
 
 logger = logging.getLogger(__name__)
-
-SHM_DIR = "/dev/shm"
-SEGMENT_MODE = 0o600
-# vime's segment names: <prefix>-<creator pid>-<8 hex>-<n>. The engine maps nothing else, and the
-# start-up sweep removes only these (of this user, whose creator is gone).
-SEGMENT_PREFIX = re.compile(r"vime(-pp_\d+)?")
-SEGMENT_NAME = re.compile(r"(?P<prefix>vime(-pp_\d+)?)-(?P<pid>\d+)-[0-9a-f]{8}-\d+")
-
-
-def check_segment_name(name: str) -> None:
-    if not SEGMENT_NAME.fullmatch(name):
-        raise ValueError(
-            f"shm segment name {name!r} is not one of vime's "
-            "(vime[-pp_K]-<pid>-<8 hex>-<n>): the shm backend maps nothing else"
-        )
 
 
 def _alive(pid: int) -> bool:

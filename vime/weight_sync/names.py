@@ -1,0 +1,27 @@
+"""Names both halves of the vime backends agree on: trainer transports and the engine extension.
+
+Kept apart from the transports so that a vLLM worker importing the engine half
+(`vime.weight_sync.vllm_extension`) imports no trainer code.
+"""
+
+from __future__ import annotations
+
+import re
+
+DEFAULT_GROUP_NAME = "vime-weight-sync"
+"""The gloo backend's group when the trainer names none (each pp stage names its own)."""
+
+SHM_DIR = "/dev/shm"
+SEGMENT_MODE = 0o600
+# vime's segment names: <prefix>-<creator pid>-<8 hex>-<n>. The engine maps nothing else, and the
+# start-up sweep removes only these (of this user, whose creator is gone).
+SEGMENT_PREFIX = re.compile(r"vime(-pp_\d+)?")
+SEGMENT_NAME = re.compile(r"(?P<prefix>vime(-pp_\d+)?)-(?P<pid>\d+)-[0-9a-f]{8}-\d+")
+
+
+def check_segment_name(name: str) -> None:
+    if not SEGMENT_NAME.fullmatch(name):
+        raise ValueError(
+            f"shm segment name {name!r} is not one of vime's "
+            "(vime[-pp_K]-<pid>-<8 hex>-<n>): the shm backend maps nothing else"
+        )
