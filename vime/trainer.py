@@ -33,7 +33,7 @@ from vime.megatron.model import (
 )
 from vime.megatron.topology import Topology
 from vime.rl.loss import GRPOConfig, group_advantages, grpo_loss
-from vime.rl.rollout import PackedBatch
+from vime.rl.samples import PackedBatch
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from vime.bench.loop import format_report, step_figures
-from vime.bench.sync import DtypeResult, Measurement, format_table, parse_env, summarize
+from vime.bench.sync_results import DtypeResult, Measurement, format_table, summarize
+from vime.bench.sync_setup import parse_env
 from vime.cli import main as vime_main
 
 pytestmark = pytest.mark.unit

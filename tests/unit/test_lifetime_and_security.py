@@ -225,7 +225,7 @@ def test_a_rank_whose_launcher_dies_is_told(tmp_path):
 
 
 def test_engine_half_imports_no_trainer_code():
-    """A vLLM worker loading vime's backends pulls in neither the trainer transports nor megatron."""
+    """A vLLM worker loading vime's backends imports no trainer transport and no megatron."""
     import subprocess
     import sys
 

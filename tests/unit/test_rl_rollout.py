@@ -18,14 +18,8 @@ from vime.rl.data import (
     make_digit_repeat,
 )
 from vime.rl.rewards import digit_match
-from vime.rl.rollout import (
-    RolloutConfig,
-    RolloutManager,
-    RolloutSample,
-    RolloutThread,
-    parse_weight_version,
-    staleness_metrics,
-)
+from vime.rl.rollout import RolloutConfig, RolloutManager, RolloutThread
+from vime.rl.samples import RolloutSample, parse_weight_version, staleness_metrics
 from vime.rollout.generation import GenerationResult
 
 pytestmark = pytest.mark.unit

@@ -28,12 +28,8 @@ import logging
 import math
 import os
 import platform
-import shutil
 import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -41,412 +37,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vime.bench.sync_methods import bench_control, bench_disk, bench_updater, memcpy_floor
+from vime.bench.sync_results import (
+    BENCH_TRANSPORTS,
+    DtypeResult,
+    Measurement,
+    format_table,
+    summarize,
+)
+from vime.bench.sync_setup import (
+    Trainer,
+    all_cores,
+    build_trainer,
+    pin_trainer,
+    running_engine,
+    unpin,
+)
 from vime.utils.dist_env import default_to_single_process
-from vime.utils.timing import PhaseTimer
 
 logger = logging.getLogger("vime.bench")
-
-_ALL_CORES = frozenset(os.sched_getaffinity(0))
-
-BENCH_TRANSPORTS = ("gloo", "shm")  # the CPU ones
-# The columns of a sync, in order; with "other" (barriers, bookkeeping) they add up to the total
-# from pause to resume. "wait" is the trainer waiting for the bytes to move and the engines to load
-# them, beyond the packing it overlaps with.
-SYNC_PHASES = (
-    "pause",
-    "flush",
-    "start",
-    "gather",
-    "convert",
-    "pack",
-    "wait",
-    "finish",
-    "resume",
-)
-# Measured inside the engine (vime_weight_update_stats); they overlap the trainer's columns.
-ENGINE_PHASES = ("engine_receive", "engine_load")
-
-
-@dataclass
-class Measurement:
-    """One method's timed iterations for one dtype: phase -> seconds, "total" = pause -> resume."""
-
-    method: str
-    dtype: str
-    num_bytes: int
-    iterations: list[dict[str, float]] = field(default_factory=list)
-    engine_stats: list[dict[str, float]] = field(default_factory=list)
-    num_requests: int = 0  # update_weights requests per sync
-    engine_rss_gib: list[float] = field(default_factory=list)  # after each sync, warm-up included
-    warmup_totals: list[float] = field(default_factory=list)  # seconds of the untimed syncs
-
-    def mean(self) -> dict[str, float]:
-        keys = {key for iteration in self.iterations for key in iteration}
-        count = max(len(self.iterations), 1)
-        return {k: sum(it.get(k, 0.0) for it in self.iterations) / count for k in sorted(keys)}
-
-    def typical(self) -> dict[str, float]:
-        """The phases of the iteration with the median total: one real sync, robust to a hiccup
-        of the machine (the table shows it; the JSON keeps every iteration and the means)."""
-        if not self.iterations:
-            return {}
-        ranked = sorted(self.iterations, key=lambda it: it.get("total", 0.0))
-        return dict(ranked[(len(ranked) - 1) // 2])
-
-
-@dataclass
-class DtypeResult:
-    dtype: str
-    num_tensors: int
-    num_bytes: int
-    floor_s: float  # one memcpy with every core of the machine: the ratios' denominator
-    floor_pinned_s: float  # the same on the trainer's pinned core(s)
-    engine_startup_s: dict[str, float]
-    measurements: list[Measurement]
-
-
-# ---- the floor ---------------------------------------------------------------------------------
-
-
-def memcpy_floor(num_bytes: int, repeats: int = 3) -> float:
-    """Seconds of the fastest of `repeats` copies of `num_bytes` into memory already touched."""
-    src = torch.empty(num_bytes, dtype=torch.uint8).fill_(1)
-    dst = torch.zeros(num_bytes, dtype=torch.uint8)
-    best = float("inf")
-    for _ in range(repeats):
-        began = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - began)
-    return best
-
-
-# ---- engines -------------------------------------------------------------------------------------
-
-
-def split_cores() -> tuple[list[int], list[int]]:
-    """(engine cores, trainer cores): the trainer gets the last core, as in the RL job.
-
-    vLLM's OpenMP threads spin after each kernel; a trainer whose threads share their core runs
-    several times slower (see TrainerConfig.cpu_cores). All engines share the other cores: only
-    one of them works at a time here.
-    """
-    cores = sorted(_ALL_CORES)
-    if len(cores) < 2:
-        return cores, cores
-    return cores[:-1], cores[-1:]
-
-
-def engine_cpu_binding() -> dict[str, str]:
-    if torch.cuda.is_available():
-        return {}
-    engine_cores, _ = split_cores()
-    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, engine_cores))}
-
-
-def parse_env(pairs: list[str]) -> dict[str, str]:
-    env = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--engine-env takes KEY=VALUE, got {pair!r}")
-        env[key] = value
-    return env
-
-
-def pin_trainer() -> list[int]:
-    """Pin this process (and torch's threads) to the trainer's cores; returns them."""
-    _, trainer_cores = split_cores()
-    os.sched_setaffinity(0, trainer_cores)
-    torch.set_num_threads(len(trainer_cores))
-    return trainer_cores
-
-
-def unpin() -> None:
-    """Every core again (engines launched from here inherit this process's affinity)."""
-    os.sched_setaffinity(0, _ALL_CORES)
-    torch.set_num_threads(len(_ALL_CORES))
-
-
-@contextmanager
-def running_engine(
-    args: argparse.Namespace, model_dir: Path, dtype: str, transport: str
-) -> Iterator[Any]:
-    """One vLLM engine serving `transport`'s backend, launched by rank 0 and ended on exit.
-
-    Engines run one at a time: two 0.5B fp32 engines next to the trainer do not fit in 24 GiB.
-    They start unpinned (they inherit this process's affinity) on the cores the trainer leaves.
-    """
-    from vime.config import EngineConfig
-    from vime.rollout.vllm_engine import VLLMEngine
-
-    rank = dist.get_rank()
-    config = EngineConfig(
-        model_path=str(model_dir),
-        dtype=dtype,
-        max_model_len=512,
-        max_num_seqs=8,
-        weight_transfer_backend=transport,
-        request_timeout_s=900,
-        startup_timeout_s=900,
-        extra_env={**engine_cpu_binding(), **parse_env(args.engine_env)},
-        cpu_reuse_freed_memory=args.engine_malloc == "reuse",
-    )
-    engine = None
-    url: list[str | None] = [None]
-    unpin()
-    try:
-        if rank == 0:
-            log_dir = Path(args.out) / "engines" / f"{dtype}-{transport}"
-            engine = VLLMEngine(config, log_dir=str(log_dir))
-            try:
-                url[0] = engine.init()
-            finally:
-                dist.broadcast_object_list(url, src=0)  # None tells the others it failed
-        else:
-            dist.broadcast_object_list(url, src=0)
-            if url[0] is None:
-                raise RuntimeError(f"rank 0 could not start the {transport} engine")
-            engine = VLLMEngine(config, url=url[0])
-            engine.init()
-        yield engine
-    finally:
-        if rank == 0 and engine is not None:
-            engine.shutdown()
-
-
-# ---- the trainer side ------------------------------------------------------------------------
-
-
-@dataclass
-class Trainer:
-    model: torch.nn.Module
-    converter: Any
-    topology: Any
-    groups: Any
-    sync_group: Any
-
-    def flip_weights(self) -> None:
-        """New bytes for the next sync: every weight changes sign (exactly)."""
-        with torch.no_grad():
-            for param in self.model.parameters():
-                param.neg_()
-
-    def updater(self, transport: str, engine: Any, bucket_bytes: int, version: int) -> Any:
-        from vime.config import WeightSyncConfig
-        from vime.weight_sync.updater import WeightUpdater
-
-        config = WeightSyncConfig(
-            transport=transport,
-            update_weight_buffer_size=bucket_bytes,
-            transfer_timeout_s=900,
-            barrier_timeout_s=900,
-        )
-        updater = WeightUpdater(
-            config=config,
-            engines=[engine],
-            model=self.model,
-            converter=self.converter,
-            topology=self.topology,
-            gather_groups=self.groups,
-            sync_group=self.sync_group,
-            weight_version=version,
-        )
-        updater.connect()
-        return updater
-
-
-def build_trainer(model_dir: Path, dtype: str, topology: Any, sync_group: Any) -> Trainer:
-    from vime.megatron.converters import get_converter
-    from vime.megatron.gather import GatherGroups
-    from vime.megatron.model import (
-        build_gpt_model,
-        load_hf_checkpoint,
-        load_hf_config,
-        pad_vocab_size,
-    )
-
-    hf_config = load_hf_config(model_dir)
-    padded = pad_vocab_size(hf_config.vocab_size, topology.tp_size)
-    converter = get_converter(hf_config, padded_vocab_size=padded)
-    model = build_gpt_model(converter, topology, params_dtype=getattr(torch, dtype))
-    load_hf_checkpoint(model, model_dir, converter=converter, topology=topology)
-    return Trainer(model, converter, topology, GatherGroups.from_parallel_state(), sync_group)
-
-
-# ---- the methods -------------------------------------------------------------------------------
-
-
-def sync_phases(report: Any, engine_stats: dict[str, float]) -> dict[str, float]:
-    """A SyncReport as the table's columns, plus the engine's own receive and load times."""
-    send = report.send_seconds
-    row = {
-        "pause": report.seconds.get("pause", 0.0),
-        "flush": report.seconds.get("flush", 0.0),
-        "start": report.seconds.get("start", 0.0),
-        "gather": send.get("gather", 0.0),
-        "convert": send.get("convert", 0.0),
-        "pack": send.get("pack", 0.0),
-        "wait": send.get("transfer", 0.0),
-        "finish": report.seconds.get("finish", 0.0),
-        "resume": report.seconds.get("resume", 0.0),
-    }
-    row["other"] = max(0.0, report.total_s - sum(row.values()))
-    row["total"] = report.total_s
-    row["engine_receive"] = float(engine_stats.get("receive", 0.0))
-    row["engine_load"] = float(engine_stats.get("load", 0.0))
-    return row
-
-
-def engine_rss_gib(engine: Any) -> float:
-    """Resident memory of a launched server's whole process tree (GiB); 0 for an external one."""
-    import psutil
-
-    pid = engine.server_pid()
-    if pid is None:
-        return 0.0
-    try:
-        root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0
-    for process in processes:
-        try:
-            total += process.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total / 1024**3
-
-
-def bench_updater(
-    method: str,
-    trainer: Trainer,
-    updater: Any,
-    engine: Any,
-    *,
-    dtype: str,
-    num_bytes: int,
-    iterations: int,
-    warmup: int,
-) -> Measurement:
-    """`warmup` + `iterations` syncs; only the last `iterations` are in the table.
-
-    The first syncs are slower: segments and receive buffers are created, and the engine's heap
-    grows to its steady size (engine.cpu_reuse_freed_memory); an RL run does thousands of syncs.
-    """
-    measurement = Measurement(method, dtype, num_bytes, num_requests=len(updater.buckets))
-    is_rank0 = dist.get_rank(trainer.sync_group) == 0
-    for index in range(warmup + iterations):
-        trainer.flip_weights()
-        report = updater.update_weights()
-        stats = engine.collective_rpc("vime_weight_update_stats")[0] if is_rank0 else {}
-        if is_rank0:
-            measurement.engine_rss_gib.append(engine_rss_gib(engine))
-        if index >= warmup:
-            measurement.iterations.append(sync_phases(report, stats))
-            measurement.engine_stats.append(stats)
-        else:
-            measurement.warmup_totals.append(report.total_s)
-        if is_rank0:
-            logger.info(
-                "%s %s sync %d: %.3f s, engine RSS %.2f GiB",
-                method,
-                dtype,
-                index,
-                report.total_s,
-                measurement.engine_rss_gib[-1],
-            )
-    if method == "gloo":  # the whole stage goes in one request, bucket after bucket
-        measurement.num_requests = 1
-    return measurement
-
-
-def bench_control(
-    trainer: Trainer, engine: Any, *, dtype: str, iterations: int, version: int
-) -> Measurement:
-    """Sessions that move nothing: pause, flush, start, finish, resume and their barriers."""
-    from vime.weight_sync.session import run_sync_session
-
-    measurement = Measurement("control", dtype, 0)
-    for index in range(1 + iterations):
-        report = run_sync_session(
-            engines=[engine],
-            group=trainer.sync_group,
-            weight_version=version + index,
-            pp_rank=0,
-            pp_size=1,
-            send_stage=lambda: None,
-            call_timeout_s=120,
-            barrier_timeout_s=120,
-        )
-        if index:
-            row = {phase: report.seconds.get(phase, 0.0) for phase in SYNC_PHASES}
-            measurement.iterations.append({**row, "total": report.total_s})
-    return measurement
-
-
-def bench_disk(
-    trainer: Trainer, engine: Any, *, dtype: str, num_bytes: int, ckpt_dir: Path, iterations: int
-) -> Measurement:
-    """Pause, save the gathered HF tensors as safetensors, reload_weights from there, resume.
-
-    The file is written without fsync, so vLLM reads it back from the page cache, and the first
-    (cold) save is not timed: the most favourable case for the disk path.
-    """
-    measurement = Measurement("disk", dtype, num_bytes, num_requests=1)
-    for index in range(1 + iterations):  # the first writes a new file: not timed
-        trainer.flip_weights()
-        began = time.perf_counter()
-        timer = PhaseTimer()
-        _disk_sync(trainer, engine, ckpt_dir, timer)
-        row = {**timer.seconds, "total": time.perf_counter() - began}
-        if index:
-            measurement.iterations.append(row)
-        else:
-            measurement.warmup_totals.append(row["total"])
-        if dist.get_rank(trainer.sync_group) == 0:
-            logger.info("disk %s: %.3f s", dtype, row["total"])
-    shutil.rmtree(ckpt_dir, ignore_errors=True)
-    return measurement
-
-
-def _disk_sync(trainer: Trainer, engine: Any, ckpt_dir: Path, timer: PhaseTimer) -> None:
-    from safetensors.torch import save_file
-
-    from vime.megatron.gather import gather_hf_weights
-
-    is_rank0 = dist.get_rank(trainer.sync_group) == 0
-    if is_rank0:
-        with timer.phase("pause"):
-            engine.pause_generation(mode="keep", clear_cache=False)
-        with timer.phase("flush"):
-            engine.flush_cache(timeout_s=1.0, raise_on_timeout=False)
-    dist.barrier(group=trainer.sync_group)
-    with timer.phase("gather"):
-        gathered = list(
-            gather_hf_weights(
-                trainer.model,
-                converter=trainer.converter,
-                topology=trainer.topology,
-                groups=trainer.groups,
-            )
-        )
-    if is_rank0:
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
-        ckpt_dir.mkdir(parents=True)
-        with timer.phase("save"):
-            # safetensors refuses tensors that share storage (gate/up are views of one matrix).
-            tensors = {name: tensor.clone() for name, tensor in gathered}
-            save_file(tensors, str(ckpt_dir / "model.safetensors"))
-        del tensors
-        with timer.phase("reload"):
-            kwargs = {"weights_path": str(ckpt_dir), "is_checkpoint_format": True}
-            engine.collective_rpc("reload_weights", kwargs=kwargs)
-        with timer.phase("resume"):
-            engine.continue_generation()
-    del gathered
-    dist.barrier(group=trainer.sync_group)
-
 
 # ---- one dtype ---------------------------------------------------------------------------------
 
@@ -512,6 +121,7 @@ def bench_dtype(args: argparse.Namespace, dtype: str, topology: Any, sync_group:
         floor_pinned_s=floor_pinned_s,
         engine_startup_s=startup,
         measurements=measurements,
+        num_cores=len(all_cores()),
     )
 
 
@@ -561,78 +171,6 @@ def bench_baselines(
         bench_control(trainer, engine, dtype=dtype, iterations=args.iterations, version=version)
     )
     return version + args.iterations + 1, measurements
-
-
-# ---- the report --------------------------------------------------------------------------------
-
-
-def format_table(results: list[DtypeResult]) -> str:
-    """The screen table: seconds per phase of the median sync, pause -> resume, GB/s, x floor."""
-    columns = [*SYNC_PHASES, "other", "save", "reload", *ENGINE_PHASES]
-    names = {"engine_receive": "eng.recv", "engine_load": "eng.load"}
-    header = ["dtype", "method", "req", *(names.get(c, c) for c in columns)]
-    header += ["total", "GB/s", "x floor"]
-    rows = []
-    for result in results:
-        floors = [
-            (f"memcpy {len(_ALL_CORES)} cores", result.floor_s),
-            ("memcpy 1 core", result.floor_pinned_s),
-        ]
-        for name, seconds in floors:
-            rows.append(
-                [result.dtype, name, "", *[""] * len(columns)]
-                + [f"{seconds:.3f}", f"{result.num_bytes / seconds / 1e9:.1f}"]
-                + [f"{seconds / result.floor_s:.1f}"]
-            )
-        for m in result.measurements:
-            typical = m.typical()
-            total = typical.get("total", 0.0)
-            cells = [f"{typical[c]:.3f}" if c in typical else "" for c in columns]
-            gbps = f"{m.num_bytes / total / 1e9:.2f}" if m.num_bytes and total else ""
-            ratio = f"{total / result.floor_s:.1f}" if m.num_bytes and result.floor_s else ""
-            rows.append(
-                [result.dtype, m.method, str(m.num_requests or ""), *cells]
-                + [f"{total:.3f}", gbps, ratio]
-            )
-    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(str(cell).rjust(w) for cell, w in zip(cells, widths, strict=True))
-
-    head = line(header)
-    return "\n".join([head, "-" * len(head), *map(line, rows)])
-
-
-def summarize(results: list[DtypeResult]) -> list[str]:
-    """The issue's ratios, each one line."""
-    lines = []
-    for result in results:
-        means = {m.method: m.typical() for m in result.measurements}
-        by_method = {method: mean.get("total", 0.0) for method, mean in means.items()}
-        for method in ("shm", "gloo"):
-            if method not in by_method:
-                continue
-            total = by_method[method]
-            line = (
-                f"{result.dtype} {method}: {total:.3f} s = {total / result.floor_s:.1f}x the "
-                f"memcpy floor"
-            )
-            load = means[method].get("engine_load", 0.0)
-            if load:
-                rest = total - load
-                line += (
-                    f" ({rest:.3f} s = {rest / result.floor_s:.1f}x without the engine's own "
-                    f"load_weights, {load:.3f} s)"
-                )
-            for baseline in ("disk", "naive"):
-                if baseline in by_method:
-                    line += f"; {baseline} takes {by_method[baseline] / total:.1f}x as long"
-            lines.append(line)
-        if "control" in by_method:
-            lines.append(
-                f"{result.dtype} control plane (no bytes): {by_method['control'] * 1e3:.1f} ms"
-            )
-    return lines
 
 
 # ---- entry point -------------------------------------------------------------------------------
@@ -688,6 +226,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[DtypeResult]:
     from vime.megatron.model import initialize_model_parallel
 
+    all_cores()  # read before anything pins this process
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))

@@ -16,7 +16,8 @@ import math
 
 from vime.config import EngineConfig
 from vime.rl.data import DIGIT_REPEAT_TEST, load_prompts
-from vime.rl.rollout import RolloutBatch, RolloutConfig, RolloutManager
+from vime.rl.rollout import RolloutConfig, RolloutManager
+from vime.rl.samples import RolloutBatch
 from vime.rollout.generation import GenerationClient
 from vime.rollout.vllm_engine import VLLMEngine
 

@@ -1,0 +1,139 @@
+"""What `vime bench-sync` measures and how it prints: one method's iterations, one dtype's
+results, the table and the summary lines.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("vime.bench")
+
+BENCH_TRANSPORTS = ("gloo", "shm")  # the CPU ones
+# The columns of a sync, in order; with "other" (barriers, bookkeeping) they add up to the total
+# from pause to resume. "wait" is the trainer waiting for the bytes to move and the engines to load
+# them, beyond the packing it overlaps with.
+SYNC_PHASES = (
+    "pause",
+    "flush",
+    "start",
+    "gather",
+    "convert",
+    "pack",
+    "wait",
+    "finish",
+    "resume",
+)
+# Measured inside the engine (vime_weight_update_stats); they overlap the trainer's columns.
+ENGINE_PHASES = ("engine_receive", "engine_load")
+
+
+@dataclass
+class Measurement:
+    """One method's timed iterations for one dtype: phase -> seconds, "total" = pause -> resume."""
+
+    method: str
+    dtype: str
+    num_bytes: int
+    iterations: list[dict[str, float]] = field(default_factory=list)
+    engine_stats: list[dict[str, float]] = field(default_factory=list)
+    num_requests: int = 0  # update_weights requests per sync
+    engine_rss_gib: list[float] = field(default_factory=list)  # after each sync, warm-up included
+    warmup_totals: list[float] = field(default_factory=list)  # seconds of the untimed syncs
+
+    def mean(self) -> dict[str, float]:
+        keys = {key for iteration in self.iterations for key in iteration}
+        count = max(len(self.iterations), 1)
+        return {k: sum(it.get(k, 0.0) for it in self.iterations) / count for k in sorted(keys)}
+
+    def typical(self) -> dict[str, float]:
+        """The phases of the iteration with the median total: one real sync, robust to a hiccup
+        of the machine (the table shows it; the JSON keeps every iteration and the means)."""
+        if not self.iterations:
+            return {}
+        ranked = sorted(self.iterations, key=lambda it: it.get("total", 0.0))
+        return dict(ranked[(len(ranked) - 1) // 2])
+
+
+@dataclass
+class DtypeResult:
+    dtype: str
+    num_tensors: int
+    num_bytes: int
+    floor_s: float  # one memcpy with every core of the machine: the ratios' denominator
+    floor_pinned_s: float  # the same on the trainer's pinned core(s)
+    engine_startup_s: dict[str, float]
+    measurements: list[Measurement]
+    num_cores: int = 0  # the machine's cores this run could use (the floor's)
+
+
+# ---- the report --------------------------------------------------------------------------------
+
+
+def format_table(results: list[DtypeResult]) -> str:
+    """The screen table: seconds per phase of the median sync, pause -> resume, GB/s, x floor."""
+    columns = [*SYNC_PHASES, "other", "save", "reload", *ENGINE_PHASES]
+    names = {"engine_receive": "eng.recv", "engine_load": "eng.load"}
+    header = ["dtype", "method", "req", *(names.get(c, c) for c in columns)]
+    header += ["total", "GB/s", "x floor"]
+    rows = []
+    for result in results:
+        floors = [
+            (f"memcpy {result.num_cores} cores", result.floor_s),
+            ("memcpy 1 core", result.floor_pinned_s),
+        ]
+        for name, seconds in floors:
+            rows.append(
+                [result.dtype, name, "", *[""] * len(columns)]
+                + [f"{seconds:.3f}", f"{result.num_bytes / seconds / 1e9:.1f}"]
+                + [f"{seconds / result.floor_s:.1f}"]
+            )
+        for m in result.measurements:
+            typical = m.typical()
+            total = typical.get("total", 0.0)
+            cells = [f"{typical[c]:.3f}" if c in typical else "" for c in columns]
+            gbps = f"{m.num_bytes / total / 1e9:.2f}" if m.num_bytes and total else ""
+            ratio = f"{total / result.floor_s:.1f}" if m.num_bytes and result.floor_s else ""
+            rows.append(
+                [result.dtype, m.method, str(m.num_requests or ""), *cells]
+                + [f"{total:.3f}", gbps, ratio]
+            )
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(str(cell).rjust(w) for cell, w in zip(cells, widths, strict=True))
+
+    head = line(header)
+    return "\n".join([head, "-" * len(head), *map(line, rows)])
+
+
+def summarize(results: list[DtypeResult]) -> list[str]:
+    """The issue's ratios, each one line."""
+    lines = []
+    for result in results:
+        means = {m.method: m.typical() for m in result.measurements}
+        by_method = {method: mean.get("total", 0.0) for method, mean in means.items()}
+        for method in ("shm", "gloo"):
+            if method not in by_method:
+                continue
+            total = by_method[method]
+            line = (
+                f"{result.dtype} {method}: {total:.3f} s = {total / result.floor_s:.1f}x the "
+                f"memcpy floor"
+            )
+            load = means[method].get("engine_load", 0.0)
+            if load:
+                rest = total - load
+                line += (
+                    f" ({rest:.3f} s = {rest / result.floor_s:.1f}x without the engine's own "
+                    f"load_weights, {load:.3f} s)"
+                )
+            for baseline in ("disk", "naive"):
+                if baseline in by_method:
+                    line += f"; {baseline} takes {by_method[baseline] / total:.1f}x as long"
+            lines.append(line)
+        if "control" in by_method:
+            lines.append(
+                f"{result.dtype} control plane (no bytes): {by_method['control'] * 1e3:.1f} ms"
+            )
+    return lines

@@ -1,0 +1,179 @@
+"""`vime bench-sync`'s set-up: cores for the trainer and the engine, one running engine per
+transport, and the trainer ranks' model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("vime.bench")
+
+
+@functools.cache
+def all_cores() -> frozenset[int]:
+    """The cores this process may use, read once, before any pinning (`main` asks first)."""
+    return frozenset(os.sched_getaffinity(0))
+
+
+# ---- engines -------------------------------------------------------------------------------------
+
+
+def split_cores() -> tuple[list[int], list[int]]:
+    """(engine cores, trainer cores): the trainer gets the last core, as in the RL job.
+
+    vLLM's OpenMP threads spin after each kernel; a trainer whose threads share their core runs
+    several times slower (see TrainerConfig.cpu_cores). All engines share the other cores: only
+    one of them works at a time here.
+    """
+    cores = sorted(all_cores())
+    if len(cores) < 2:
+        return cores, cores
+    return cores[:-1], cores[-1:]
+
+
+def engine_cpu_binding() -> dict[str, str]:
+    if torch.cuda.is_available():
+        return {}
+    engine_cores, _ = split_cores()
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, engine_cores))}
+
+
+def parse_env(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--engine-env takes KEY=VALUE, got {pair!r}")
+        env[key] = value
+    return env
+
+
+def pin_trainer() -> list[int]:
+    """Pin this process (and torch's threads) to the trainer's cores; returns them."""
+    _, trainer_cores = split_cores()
+    os.sched_setaffinity(0, trainer_cores)
+    torch.set_num_threads(len(trainer_cores))
+    return trainer_cores
+
+
+def unpin() -> None:
+    """Every core again (engines launched from here inherit this process's affinity)."""
+    os.sched_setaffinity(0, all_cores())
+    torch.set_num_threads(len(all_cores()))
+
+
+@contextmanager
+def running_engine(
+    args: argparse.Namespace, model_dir: Path, dtype: str, transport: str
+) -> Iterator[Any]:
+    """One vLLM engine serving `transport`'s backend, launched by rank 0 and ended on exit.
+
+    Engines run one at a time: two 0.5B fp32 engines next to the trainer do not fit in 24 GiB.
+    They start unpinned (they inherit this process's affinity) on the cores the trainer leaves.
+    """
+    from vime.config import EngineConfig
+    from vime.rollout.vllm_engine import VLLMEngine
+
+    rank = dist.get_rank()
+    config = EngineConfig(
+        model_path=str(model_dir),
+        dtype=dtype,
+        max_model_len=512,
+        max_num_seqs=8,
+        weight_transfer_backend=transport,
+        request_timeout_s=900,
+        startup_timeout_s=900,
+        extra_env={**engine_cpu_binding(), **parse_env(args.engine_env)},
+        cpu_reuse_freed_memory=args.engine_malloc == "reuse",
+    )
+    engine = None
+    url: list[str | None] = [None]
+    unpin()
+    try:
+        if rank == 0:
+            log_dir = Path(args.out) / "engines" / f"{dtype}-{transport}"
+            engine = VLLMEngine(config, log_dir=str(log_dir))
+            try:
+                url[0] = engine.init()
+            finally:
+                dist.broadcast_object_list(url, src=0)  # None tells the others it failed
+        else:
+            dist.broadcast_object_list(url, src=0)
+            if url[0] is None:
+                raise RuntimeError(f"rank 0 could not start the {transport} engine")
+            engine = VLLMEngine(config, url=url[0])
+            engine.init()
+        yield engine
+    finally:
+        if rank == 0 and engine is not None:
+            engine.shutdown()
+
+
+# ---- the trainer side ------------------------------------------------------------------------
+
+
+@dataclass
+class Trainer:
+    model: torch.nn.Module
+    converter: Any
+    topology: Any
+    groups: Any
+    sync_group: Any
+
+    def flip_weights(self) -> None:
+        """New bytes for the next sync: every weight changes sign (exactly)."""
+        with torch.no_grad():
+            for param in self.model.parameters():
+                param.neg_()
+
+    def updater(self, transport: str, engine: Any, bucket_bytes: int, version: int) -> Any:
+        from vime.config import WeightSyncConfig
+        from vime.weight_sync.updater import WeightUpdater
+
+        config = WeightSyncConfig(
+            transport=transport,
+            update_weight_buffer_size=bucket_bytes,
+            transfer_timeout_s=900,
+            barrier_timeout_s=900,
+        )
+        updater = WeightUpdater(
+            config=config,
+            engines=[engine],
+            model=self.model,
+            converter=self.converter,
+            topology=self.topology,
+            gather_groups=self.groups,
+            sync_group=self.sync_group,
+            weight_version=version,
+        )
+        updater.connect()
+        return updater
+
+
+def build_trainer(model_dir: Path, dtype: str, topology: Any, sync_group: Any) -> Trainer:
+    from vime.megatron.converters import get_converter
+    from vime.megatron.gather import GatherGroups
+    from vime.megatron.model import (
+        build_gpt_model,
+        load_hf_checkpoint,
+        load_hf_config,
+        pad_vocab_size,
+    )
+
+    hf_config = load_hf_config(model_dir)
+    padded = pad_vocab_size(hf_config.vocab_size, topology.tp_size)
+    converter = get_converter(hf_config, padded_vocab_size=padded)
+    model = build_gpt_model(converter, topology, params_dtype=getattr(torch, dtype))
+    load_hf_checkpoint(model, model_dir, converter=converter, topology=topology)
+    return Trainer(model, converter, topology, GatherGroups.from_parallel_state(), sync_group)

@@ -1,0 +1,80 @@
+"""What vime's engine backends share: the worker's rank, bucket parsing, and `BucketEngine`,
+vLLM's layerwise reload around an update with every bucket loaded from views of its bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+from vime.weight_sync.buckets import Bucket
+
+
+def worker_index(parallel_config: Any) -> int:
+    """This worker's index among all workers of the engine (DP replicas included).
+
+    The same formula as vLLM's NCCL engine, so trainers can use one rank layout for both.
+    """
+    return parallel_config.data_parallel_index * parallel_config.world_size + parallel_config.rank
+
+
+def parse_buckets(buckets: list[dict[str, Any]]) -> list[Bucket]:
+    if not isinstance(buckets, list) or not buckets:
+        raise ValueError(f"update_info.buckets must be a non-empty list, got {buckets!r:.200}")
+    return [Bucket.from_dict(b) for b in buckets]
+
+
+class BucketEngine(WeightTransferEngine):
+    """Shared by the vime backends: layerwise reload around an update, loading from views.
+
+    `stats` times the last weight update on this worker, phase by phase (seconds): start,
+    receive (waiting for and mapping the bytes), load (vLLM's load_weights, including layerwise
+    processing of the layers a bucket completes), finish; and counts its buckets and bytes.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stats: dict[str, float] = {}
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        began = time.perf_counter()
+        initialize_layerwise_reload(self.model)
+        started = time.perf_counter() - began
+        self.stats = dict(start=started, receive=0.0, load=0.0, finish=0.0, buckets=0, bytes=0)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        began = time.perf_counter()
+        finalize_layerwise_reload(self.model, self.model_config)
+        self.stats["finish"] = time.perf_counter() - began
+
+    def _count(self, phase: str, began: float) -> None:
+        self.stats[phase] += time.perf_counter() - began
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class ends with torch.accelerator.synchronize(), which raises on a CPU-only
+        # machine; loads here are synchronous on CPU and only need a sync on an accelerator.
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+
+        # Layerwise reload may keep these views until the rest of their layer arrives, possibly
+        # in a later bucket: each bucket's storage must therefore stay valid and unchanged until
+        # finish_weight_update, which is why both backends reuse a buffer only in a later sync.
+        began = time.perf_counter()
+        with disable_mtp_completeness_check():
+            self.model.load_weights(weights)
+        self._count("load", began)
+        self.stats["buckets"] += 1
+        self.stats["bytes"] += sum(t.nbytes for _, t in weights)
