@@ -70,17 +70,19 @@ def test_bench_sync_reports_every_method_and_phase(tmp_path):
     assert set(by_method) == {"shm", "gloo", "naive", "disk", "control"}
     for method in ("shm", "gloo", "naive"):
         m = by_method[method]
-        assert len(m["iterations"]) == (2 if method != "naive" else 1)
+        assert len(m["iterations"]) == 2  # --iterations, for every method
         for row, stats in zip(m["iterations"], m["engine_stats"], strict=True):
             # Every byte reached the engine and was loaded, bucket by bucket.
             assert stats["bytes"] == result["num_bytes"] and stats["load"] > 0
-            assert row["pack"] > 0 and row["engine_load"] == stats["load"]
-            # The trainer-side columns add up to the total (engine columns overlap them).
-            phases = sum(v for k, v in row.items() if k != "total" and not k.startswith("engine"))
-            assert phases == pytest.approx(row["total"], rel=1e-6)
-    assert by_method["shm"]["num_requests"] > 1  # 1 MiB buckets
+            # The engine's own work happens inside the sync the trainer timed.
+            assert row["pack"] > 0 and row["engine_receive"] + row["engine_load"] < row["total"]
+            # The named columns account for the sync: what no phase claims stays small.
+            assert row["other"] < 0.25 * row["total"], row
+    # Requests as the engine counted them (update_weights calls it served per sync).
+    assert by_method["shm"]["num_requests"] > 1  # 1 MiB buckets, one request each
     assert by_method["naive"]["num_requests"] == result["num_tensors"]
-    assert by_method["gloo"]["num_requests"] == 1
+    assert by_method["gloo"]["num_requests"] == 1  # the whole stage streams in one request
+    assert len(by_method["disk"]["iterations"]) == 2
     assert {"save", "reload", "total"} <= set(by_method["disk"]["iterations"][0])
     assert by_method["control"]["iterations"][0]["total"] > 0
     # Shared-memory segments were unlinked once mapped; the servers are gone.

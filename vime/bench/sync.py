@@ -146,7 +146,7 @@ def bench_baselines(
                 engine,
                 dtype=dtype,
                 num_bytes=num_bytes,
-                iterations=1,
+                iterations=args.iterations,
                 warmup=args.warmup,
             )
         )
@@ -164,7 +164,7 @@ def bench_baselines(
                 dtype=dtype,
                 num_bytes=num_bytes,
                 ckpt_dir=Path(args.out) / f"disk-{dtype}",
-                iterations=max(1, min(args.iterations, 2)),
+                iterations=args.iterations,
             )
         )
     measurements.append(

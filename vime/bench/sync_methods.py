@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vime.bench.sync_results import SYNC_PHASES, Measurement
+from vime.bench.sync_results import FLOOR_REPEATS, SYNC_PHASES, Measurement
 from vime.bench.sync_setup import Trainer
 from vime.utils.timing import PhaseTimer
 
@@ -22,7 +22,7 @@ logger = logging.getLogger("vime.bench")
 # ---- the floor ---------------------------------------------------------------------------------
 
 
-def memcpy_floor(num_bytes: int, repeats: int = 3) -> float:
+def memcpy_floor(num_bytes: int, repeats: int = FLOOR_REPEATS) -> float:
     """Seconds of the fastest of `repeats` copies of `num_bytes` into memory already touched."""
     src = torch.empty(num_bytes, dtype=torch.uint8).fill_(1)
     dst = torch.zeros(num_bytes, dtype=torch.uint8)
@@ -95,7 +95,7 @@ def bench_updater(
     The first syncs are slower: segments and receive buffers are created, and the engine's heap
     grows to its steady size (engine.cpu_reuse_freed_memory); an RL run does thousands of syncs.
     """
-    measurement = Measurement(method, dtype, num_bytes, num_requests=len(updater.buckets))
+    measurement = Measurement(method, dtype, num_bytes)
     is_rank0 = dist.get_rank(trainer.sync_group) == 0
     for index in range(warmup + iterations):
         trainer.flip_weights()
@@ -117,8 +117,11 @@ def bench_updater(
                 report.total_s,
                 measurement.engine_rss_gib[-1],
             )
-    if method == "gloo":  # the whole stage goes in one request, bucket after bucket
-        measurement.num_requests = 1
+    if is_rank0:  # counted by the engine: update_weights requests it served per sync
+        counts = {int(stats.get("requests", 0)) for stats in measurement.engine_stats}
+        if len(counts) != 1:
+            raise RuntimeError(f"{method}: the engine counted {sorted(counts)} requests per sync")
+        measurement.num_requests = counts.pop()
     return measurement
 
 

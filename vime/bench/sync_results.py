@@ -24,6 +24,7 @@ SYNC_PHASES = (
     "finish",
     "resume",
 )
+FLOOR_REPEATS = 3  # memcpy_floor's copies; the floor is the fastest
 # Measured inside the engine (vime_weight_update_stats); they overlap the trainer's columns.
 ENGINE_PHASES = ("engine_receive", "engine_load")
 
@@ -71,10 +72,15 @@ class DtypeResult:
 
 
 def format_table(results: list[DtypeResult]) -> str:
-    """The screen table: seconds per phase of the median sync, pause -> resume, GB/s, x floor."""
+    """The screen table: seconds per phase of the median sync, pause -> resume, GB/s, x floor.
+
+    n: the timed syncs of the row (warm-up not counted); each row shows the one whose total is
+    the median (the lower one of an even count): a real sync, not a mix. req: update_weights
+    requests per sync, as counted by the engine. The floors are the fastest of FLOOR_REPEATS.
+    """
     columns = [*SYNC_PHASES, "other", "save", "reload", *ENGINE_PHASES]
     names = {"engine_receive": "eng.recv", "engine_load": "eng.load"}
-    header = ["dtype", "method", "req", *(names.get(c, c) for c in columns)]
+    header = ["dtype", "method", "n", "req", *(names.get(c, c) for c in columns)]
     header += ["total", "GB/s", "x floor"]
     rows = []
     for result in results:
@@ -84,7 +90,7 @@ def format_table(results: list[DtypeResult]) -> str:
         ]
         for name, seconds in floors:
             rows.append(
-                [result.dtype, name, "", *[""] * len(columns)]
+                [result.dtype, name, f"min/{FLOOR_REPEATS}", "", *[""] * len(columns)]
                 + [f"{seconds:.3f}", f"{result.num_bytes / seconds / 1e9:.1f}"]
                 + [f"{seconds / result.floor_s:.1f}"]
             )
@@ -95,7 +101,7 @@ def format_table(results: list[DtypeResult]) -> str:
             gbps = f"{m.num_bytes / total / 1e9:.2f}" if m.num_bytes and total else ""
             ratio = f"{total / result.floor_s:.1f}" if m.num_bytes and result.floor_s else ""
             rows.append(
-                [result.dtype, m.method, str(m.num_requests or ""), *cells]
+                [result.dtype, m.method, str(len(m.iterations)), str(m.num_requests or ""), *cells]
                 + [f"{total:.3f}", gbps, ratio]
             )
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]

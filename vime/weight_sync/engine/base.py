@@ -32,7 +32,8 @@ class BucketEngine(WeightTransferEngine):
 
     `stats` times the last weight update on this worker, phase by phase (seconds): start,
     receive (waiting for and mapping the bytes), load (vLLM's load_weights, including layerwise
-    processing of the layers a bucket completes), finish; and counts its buckets and bytes.
+    processing of the layers a bucket completes), finish; and counts its update_weights requests,
+    buckets and bytes.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -45,7 +46,9 @@ class BucketEngine(WeightTransferEngine):
         began = time.perf_counter()
         initialize_layerwise_reload(self.model)
         started = time.perf_counter() - began
-        self.stats = dict(start=started, receive=0.0, load=0.0, finish=0.0, buckets=0, bytes=0)
+        self.stats = dict(
+            start=started, receive=0.0, load=0.0, finish=0.0, requests=0, buckets=0, bytes=0
+        )
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -60,6 +63,8 @@ class BucketEngine(WeightTransferEngine):
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on a CPU-only
         # machine; loads here are synchronous on CPU and only need a sync on an accelerator.
+        if self.stats:
+            self.stats["requests"] += 1
         self.receive_weights(self.parse_update_info(update_info))
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
