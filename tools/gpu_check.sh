@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# For a lent single GPU (no vLLM there): the GPU halves of vime's transports, in under 5 minutes.
+# For a lent single GPU (no vLLM there), in under 5 minutes: the shipped IpcTransport into a
+# receiving process (bit-exact, timed), then the gpu test tier. NcclTransport needs vLLM's pynccl,
+# which cannot be installed there: it stays unchecked until a GPU machine with vLLM runs it.
 # Needs torch with CUDA and numpy/pydantic/pyyaml importable; prints JSON figures.
 set -euo pipefail
 cd "$(dirname "$0")/.."

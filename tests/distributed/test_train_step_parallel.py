@@ -4,10 +4,11 @@ Every layout trains the same tiny Qwen2 on the same packed batch (fixed token id
 rollout log-probs) for two AdamW steps: TP2 (vocab-parallel log-probs, the TP all-reduce of the
 clipping norm), DP2 (each rank its half of the groups, gradients summed over DP, the loss
 normalised by the whole batch's tokens), and the one-rank reference with micro-batches of the
-same size. The loss and gradient norm of both steps, the last step's clipped gradients and the
-updated parameters (both gathered back to HF names) must match the reference within float32
-tolerance. (Parameters get a looser bound: AdamW's first steps move each element by about lr
-whatever its gradient's size, so an element whose gradient is float noise may move either way.)
+same size. The loss and gradient norm of both steps and the first step's clipped gradients
+(gathered back to HF names) must match the reference within float32 tolerance. The parameters
+after both steps get a looser bound: AdamW's first steps move each element by about lr whatever
+its gradient's size, so an element whose gradient is float noise may move either way (measured:
+up to 1e-4 apart at lr 1e-2, and the second step's gradients 1e-4 apart in consequence).
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ def _worker(rank: int, world_size: int, port: int, tp: int, model_dir: str, out_
     trainer = MegatronTrainer(
         config, model_path=model_dir, topology=topology, grpo=GRPOConfig(), dp_group=dp_group
     )
-    metrics = [trainer.train_step(_batch()) for _ in range(STEPS)]
 
     def gathered() -> dict[str, torch.Tensor]:
         pairs = gather_hf_weights(
@@ -71,23 +71,29 @@ def _worker(rank: int, world_size: int, port: int, tp: int, model_dir: str, out_
         )
         return {name: tensor.clone() for name, tensor in pairs}
 
-    weights = gathered()
-    # The last step's gradients, gathered like the weights: swap them into the parameters.
-    params = list(trainer.model.parameters())
-    kept = [p.data for p in params]
-    for param in params:
-        param.data = param.grad if param.grad is not None else torch.zeros_like(param)
-    grads = gathered()
-    for param, data in zip(params, kept, strict=True):
-        param.data = data
-    result = {"metrics": metrics, "weights": weights, "grads": grads}
+    def gathered_grads() -> dict[str, torch.Tensor]:
+        # Gathered like the weights: swap the gradients into the parameters for the gather.
+        params = list(trainer.model.parameters())
+        kept = [p.data for p in params]
+        for param in params:
+            param.data = param.grad if param.grad is not None else torch.zeros_like(param)
+        try:
+            return gathered()
+        finally:
+            for param, data in zip(params, kept, strict=True):
+                param.data = data
+
+    metrics = [trainer.train_step(_batch())]
+    grads = gathered_grads()  # of the first step, taken at the same weights on every layout
+    metrics += [trainer.train_step(_batch()) for _ in range(STEPS - 1)]
+    result = {"metrics": metrics, "weights": gathered(), "grads": grads}
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
 def _train(world_size: int, tp: int, model_dir: Path, out_dir: Path) -> list[dict]:
-    out_dir.mkdir(parents=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
     spawn_ranks(
         _worker, world_size, (tp, str(model_dir), str(out_dir)), timeout_s=300, what=f"tp{tp}"
     )
@@ -120,6 +126,4 @@ def test_two_ranks_train_like_one(reference, tiny_model_dir, tmp_path, layout, t
     original = load_file(tiny_model_dir / "model.safetensors")
     for name, expected in reference["weights"].items():
         assert not torch.equal(expected, original[name]), f"{name} was not updated"
-        close = torch.isclose(weights[name], expected, rtol=1e-4, atol=1e-6)
-        assert close.float().mean() > 0.999, name
         torch.testing.assert_close(weights[name], expected, rtol=0, atol=2 * STEPS * LR, msg=name)

@@ -8,19 +8,14 @@ HF transformers on the new weights, and that the server reports the new weight v
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
 import stat
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import requests
 import torch
+from engine_token import HEADERS, TOKEN
 
 from vime.testing.tiny_model import build_tiny_model
 from vime.weight_sync.buckets import check_against_engine, pack, plan_buckets, tensor_digest
@@ -39,67 +34,35 @@ NUM_NEW_TOKENS = 12
 PROMPT = "Q: 12+7= A:"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
-
-
 def _http(method: str, url: str, *, timeout_s: float = HTTP_TIMEOUT_S, **kwargs):
-    response = requests.request(method, url, timeout=timeout_s, **kwargs)
+    response = requests.request(method, url, timeout=timeout_s, headers=HEADERS, **kwargs)
     if response.status_code >= 400:
         raise RuntimeError(f"{method} {url} -> HTTP {response.status_code}: {response.text[:2000]}")
     return response.json() if response.content else None
 
 
 class Server:
-    """One vLLM CPU server this test started, in a process group of its own."""
+    """One vLLM CPU server this test launched with vime's launcher (a keeper ends it and every
+    /dev/shm file its processes mapped), the test token on every route."""
 
     def __init__(self, model_dir: Path, backend: str, log_path: Path):
-        self.port = _free_port()
-        self.url = f"http://{HOST}:{self.port}"
-        self.log_path = log_path
-        cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_dir), "--served-model-name", "tiny",
-            "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
-            "--host", HOST, "--port", str(self.port),
-            "--worker-extension-cls", "vime.weight_sync.vllm_extension.VimeWorkerExtension",
-            "--weight-transfer-config", json.dumps({"backend": backend}),
-        ]  # fmt: skip
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
-        with open(log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        from vime.config import EngineConfig
+        from vime.rollout.server import launch_server
 
-    def wait_healthy(self, deadline: float) -> None:
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited ({self.process.returncode}):\n{self._tail()}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy by the deadline:\n{self._tail()}")
-            time.sleep(0.5)
+        self.backend = backend
+        config = EngineConfig(
+            model_path=str(model_dir),
+            weight_transfer_backend=backend,
+            max_model_len=512,
+            startup_timeout_s=STARTUP_TIMEOUT_S,
+            extra_args=["--served-model-name", "tiny"],
+        )
+        self.config = config.model_copy(update={"auth_token": TOKEN})
+        self.process = launch_server(config, host=HOST, port=None, log_path=log_path, token=TOKEN)
+        self.url = self.process.url
 
     def stop(self) -> None:
-        # start_new_session made the server a group leader: this ends it and its workers only.
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                continue
-
-    def _tail(self) -> str:
-        return self.log_path.read_bytes()[-4000:].decode(errors="replace")
+        self.process.stop()
 
     def post(self, path: str, **kwargs):
         return _http("POST", self.url + path, **kwargs)
@@ -135,14 +98,18 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(models, tmp_path_factory):
     """Both servers start at once: startup dominates this file's runtime."""
+    from concurrent.futures import ThreadPoolExecutor
+
     logs = tmp_path_factory.mktemp("logs")
     started = {}
     try:
-        for backend in ("gloo", "shm"):
-            started[backend] = Server(models["old"], backend, logs / f"vllm-{backend}.log")
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        for server in started.values():
-            server.wait_healthy(deadline)
+        with ThreadPoolExecutor(2) as pool:
+            futures = {
+                backend: pool.submit(Server, models["old"], backend, logs / f"vllm-{backend}.log")
+                for backend in ("gloo", "shm")
+            }
+            for backend, future in futures.items():
+                started[backend] = future.result()
         yield started
     finally:
         for server in started.values():
@@ -338,3 +305,42 @@ def test_shm_backend_syncs_exact_weights_and_cleans_up(servers, reference):
     finally:
         transport.close()
     assert not list(shm_dir.glob(f"{transport.prefix}*")), "segments left behind"
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_vllm_trainer_factory_drives_vime_backends(servers, reference, backend):
+    """vLLM's trainer-side API (`WeightTransferTrainerFactory.trainer_init` + `send_weights`)
+    with vime's backends registered under their engine names; vime's VLLMEngine is the client."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from vime.rollout.vllm_engine import VLLMEngine
+    from vime.weight_sync.trainer_engines import GlooTrainerInitInfo, ShmTrainerInitInfo
+
+    server = servers[backend]
+    client = VLLMEngine(server.config, url=server.url)
+    client.init()
+    init_info = (
+        GlooTrainerInitInfo(rank=0, engine_world_size=1, bucket_bytes=MAX_BUCKET_BYTES)
+        if backend == "gloo"
+        else ShmTrainerInitInfo(rank=0, bucket_bytes=MAX_BUCKET_BYTES)
+    )
+    for key in ("new", "old"):
+        sender = WeightTransferTrainerFactory.trainer_init(
+            init_info, client=client, source=ModuleSource(reference[key]["model"])
+        )
+        try:
+            client.pause_generation()
+            sender.send_weights()  # start, update_weights, finish on the client
+            client.continue_generation()
+            assert sender.buckets is not None and len(sender.buckets) >= 4
+        finally:
+            sender.shutdown()
+        expected = {name: tensor_digest(t) for name, t in reference[key]["weights"].items()}
+        assert server.rpc("vime_weight_checksums") == expected
+        stats = server.rpc("vime_weight_update_stats")
+        # gloo streams all buckets in one request; shm posts one request per bucket.
+        assert stats["requests"] == (1 if backend == "gloo" else len(sender.buckets))
+        assert server.greedy(reference["prompt_ids"]) == _hf_greedy(
+            reference[key]["model"], reference["prompt_ids"]
+        )

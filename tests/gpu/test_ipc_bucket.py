@@ -1,4 +1,5 @@
-"""The CUDA IPC half of the ipc transport: a packed bucket read bit-exactly by a second process."""
+"""The shipped IpcTransport into a second process that opens its handles as vLLM's IPC engine
+does: every tensor read back bit for bit."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-def test_ipc_bucket_opened_from_second_process_is_bit_exact():
+def test_ipc_transport_buckets_read_bit_exactly_by_a_second_process():
     from vime.weight_sync.ipc_check import run_check
 
     report = run_check(num_mib=16, repeats=2)

@@ -276,7 +276,7 @@ class VLLMEngine:
         """POST /update_weights {"update_info": one dict, or one per worker}."""
         return self._call("POST", "/update_weights", json={"update_info": update_info})
 
-    def finish_weight_update(self, weight_version: str | int | None) -> dict | None:
+    def finish_weight_update(self, weight_version: str | int | None = None) -> dict | None:
         """POST /finish_weight_update; tokens generated afterwards carry `weight_version`."""
         version = None if weight_version is None else str(weight_version)
         return self._call("POST", "/finish_weight_update", json={"weight_version": version})

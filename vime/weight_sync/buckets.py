@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -306,3 +306,17 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     """
     raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     return hashlib.sha256(raw.numpy()).hexdigest()
+
+
+def take_bucket_tensors(
+    tensors: Iterator[tuple[str, torch.Tensor]], bucket: Bucket
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The bucket's tensors, pulled from a stream in plan order; ValueError on another name."""
+    for meta in bucket.tensors:
+        name, tensor = next(tensors)
+        if name != meta.name:
+            raise ValueError(
+                f"the weights arrive with {name!r} where bucket {bucket.index} planned "
+                f"{meta.name!r}: the stream and the bucket plan disagree on the order"
+            )
+        yield name, tensor

@@ -20,7 +20,7 @@ take turns inside the session (`session.run_sync_session`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -39,6 +39,7 @@ from vime.weight_sync.buckets import (
     dtype_from_name,
     pack,
     plan_buckets,
+    take_bucket_tensors,
     tensor_digest,
 )
 from vime.weight_sync.session import (
@@ -256,7 +257,7 @@ class WeightUpdater:
         timer = self._send_timer
 
         def fill(bucket: Bucket, buffer: torch.Tensor) -> None:
-            tensors = dict(_take(gathered, bucket))
+            tensors = dict(take_bucket_tensors(gathered, bucket))
             if record:
                 with timer.phase("checksum"):
                     for name, tensor in tensors.items():
@@ -296,15 +297,3 @@ class WeightUpdater:
 
         call_engines(self.engines, "verify", compare, timeout_s=self.config.transfer_timeout_s)
         logger.info("verified %d tensors on %d engines", len(sent), len(self.engines))
-
-
-def _take(gathered: Iterator[tuple[str, torch.Tensor]], bucket: Bucket):
-    """The bucket's tensors, pulled from the gather in plan order."""
-    for meta in bucket.tensors:
-        name, tensor = next(gathered)
-        if name != meta.name:
-            raise ValueError(
-                f"gather yielded {name!r} where bucket {bucket.index} planned {meta.name!r}: "
-                "the gather order and hf_weight_metadata disagree"
-            )
-        yield name, tensor
