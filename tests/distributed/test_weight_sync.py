@@ -175,6 +175,7 @@ def tp1_run(servers, model_dir, model_builder, tmp_path_factory):
         SyncStep("shm", b, version=2, fail_in_send=True),
         SyncStep("shm", b, version=3),  # the same updater again, after the failure
         SyncStep("gloo", a, version=2, inflight=True, clear_cache=True),
+        SyncStep("gloo", b, version=98, expect_error=True),  # B runs the shm backend
     )
     job = SyncJob(model_dir=model_dir, steps=steps)
     return run_sync_job(job, 1, tmp_path_factory.mktemp("tp1"))
@@ -278,6 +279,16 @@ def test_mismatched_weights_rejected_before_any_transfer(tp1_run, checkpoint):
     assert engine["is_paused"] is False
     assert engine["weight_version"] == "1"  # still the previous sync's
     assert engine["checksums"] == records[0]["engines"][0]["checksums"]
+
+
+def test_engine_with_another_backend_rejected_before_any_group(tp1_run):
+    records, _ = tp1_run
+    record = records[6]
+    message = record["error"]  # a gloo trainer against the shm engine B, read from /server_info
+    assert "weight-transfer backend 'shm'" in message and "transport is 'gloo'" in message
+    assert "nothing was sent" in message and record["error_s"] < 10
+    (engine,) = record["engines"]
+    assert engine["is_paused"] is False and engine["weight_version"] == "3"
 
 
 def test_failed_send_leaves_engines_serving(tp1_run, hf, checkpoint):

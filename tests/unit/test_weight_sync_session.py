@@ -166,3 +166,25 @@ def test_fields_of_another_transport_are_refused():
         WeightSyncConfig.model_validate({"transport": {"kind": "shm", "master_port_range": [1, 2]}})
     with pytest.raises(ValueError, match="'tcp'"):
         WeightSyncConfig.model_validate({"transport": "tcp"})
+
+
+def test_registry_builds_each_kind_and_refuses_nccl_across_stages():
+    from vime.config import IpcTransportConfig, NcclTransportConfig, ShmTransportConfig
+    from vime.weight_sync.transports import TRANSPORTS, SenderPlace, make_transport
+
+    assert set(TRANSPORTS) == {"gloo", "nccl", "shm", "ipc"}
+
+    def place(pp_size: int) -> SenderPlace:
+        return SenderPlace(
+            pp_rank=1, pp_size=pp_size, engine_world_sizes=lambda: [1], bucket_bytes=1 << 20,
+            timeout_s=5,
+        )  # fmt: skip
+
+    shm = make_transport(ShmTransportConfig(), place(2))
+    try:
+        assert shm.backend == "shm" and "-pp_1-" in shm.prefix  # each stage its own segments
+    finally:
+        shm.close()
+    assert make_transport(IpcTransportConfig(), place(1)).backend == "ipc"
+    with pytest.raises(ValueError, match="pipeline parallel size 2.*Use transport gloo"):
+        make_transport(NcclTransportConfig(), place(2))

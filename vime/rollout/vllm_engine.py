@@ -290,6 +290,23 @@ class VLLMEngine:
             "POST", "/update_weight_version", json={"new_version": str(weight_version)}
         )
 
+    def transfer_layout(self) -> dict[str, Any] | None:
+        """What the engine was started with, from GET /server_info (dev mode): its
+        weight-transfer backend (None without --weight-transfer-config) and its workers
+        (tensor x pipeline x data parallel), as the weight sync must see them."""
+        body = self._call("GET", "/server_info", params={"config_format": "json"})
+        if body is None:
+            return None
+        config = body["vllm_config"]
+        parallel = config.get("parallel_config") or {}
+        transfer = config.get("weight_transfer_config") or {}
+        return {
+            "backend": transfer.get("backend"),
+            "world_size": int(parallel.get("tensor_parallel_size", 1))
+            * int(parallel.get("pipeline_parallel_size", 1))
+            * int(parallel.get("data_parallel_size", 1)),
+        }
+
     def get_world_size(self, include_dp: bool = True) -> int | None:
         body = self._call(
             "GET", "/get_world_size", params={"include_dp": "true" if include_dp else "false"}

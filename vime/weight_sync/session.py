@@ -207,12 +207,10 @@ class CheckedSteps:
     """
 
     def __init__(self, group: Any, barrier_timeout_s: float, seconds: dict[str, float], what: str):
-        self.group, self.barrier_timeout_s, self.seconds, self.what = (
-            group,
-            barrier_timeout_s,
-            seconds,
-            what,
-        )
+        self.group = group
+        self.barrier_timeout_s = barrier_timeout_s
+        self.seconds = seconds
+        self.what = what  # names the sync in log lines
 
     def __call__(self, phase: str, fn: Callable[[], Any] | None, detail: str = "") -> None:
         where = f"{phase} ({detail})" if detail else phase

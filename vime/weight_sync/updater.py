@@ -122,7 +122,9 @@ class WeightUpdater:
     def check_engines(self) -> None:
         """Compare the trainer's HF names, dtypes and shapes with every engine's; no bytes move.
 
-        Rank 0 asks the engines (vime_weight_metadata over collective_rpc) and tells every rank
+        Rank 0 first reads how each engine was started (GET /server_info: its weight-transfer
+        backend must be `weight_sync.transport`, its workers tp x pp x dp), then asks the engines
+        (vime_weight_metadata over collective_rpc) and tells every rank
         the verdict, so all ranks raise the same ValueError naming the mismatched tensors. A
         tensor may be sent narrower than the engine serves it when the cast is exact (vLLM's CPU
         build keeps some tensors of bfloat16 models in float32); each engine's served dtypes are
@@ -132,9 +134,23 @@ class WeightUpdater:
         served: list[dict[str, str]] = []
         if dist.get_rank(self.sync_group) == 0:
             specs = [(m.name, m.dtype, m.shape) for m in self.metadata]
+            kind = self.config.transport.kind
 
             def check(engine: Any) -> dict[str, str]:
+                # What the engine was started with, before any group is built or byte sent.
+                layout = engine.transfer_layout()
+                if layout["backend"] != kind:
+                    raise ValueError(
+                        f"the engine runs weight-transfer backend {layout['backend']!r} but "
+                        f"weight_sync.transport is {kind!r}: start it with "
+                        f'--weight-transfer-config \'{{"backend": "{kind}"}}\''
+                    )
                 workers = engine.collective_rpc("vime_weight_metadata")
+                if len(workers) != layout["world_size"]:
+                    raise ValueError(
+                        f"{len(workers)} workers answered, the engine's parallel config has "
+                        f"{layout['world_size']}"
+                    )
                 for worker, expected in enumerate(workers):
                     try:
                         check_against_engine(specs, expected, allow_lossless_casts=True)
