@@ -176,7 +176,7 @@ def test_registry_builds_each_kind_and_refuses_nccl_across_stages():
 
     def place(pp_size: int) -> SenderPlace:
         return SenderPlace(
-            pp_rank=1, pp_size=pp_size, engine_world_sizes=lambda: [1], bucket_bytes=1 << 20,
+            pp_rank=1, pp_size=pp_size, engine_world_sizes=[1], bucket_bytes=1 << 20,
             timeout_s=5,
         )  # fmt: skip
 

@@ -217,11 +217,12 @@ class VLLMEngine:
         With clear_cache=True the engine preempts paused requests and frees their KV: they
         re-prefill on the new weights on resume. `wait` drains, `abort` drops what is in flight.
         """
-        clear = clear_cache
         if mode not in ("keep", "wait", "abort"):
             raise ValueError(f"pause mode {mode!r} is not one of 'keep', 'wait', 'abort'")
         return self._call(
-            "POST", "/pause", params={"mode": mode, "clear_cache": "true" if clear else "false"}
+            "POST",
+            "/pause",
+            params={"mode": mode, "clear_cache": "true" if clear_cache else "false"},
         )
 
     def continue_generation(self) -> dict | None:

@@ -88,6 +88,8 @@ class WeightUpdater:
         self.transport: Transport | None = None
         # Per engine: HF name -> the dtype it serves (from check_engines; may be wider than sent).
         self.served_dtypes: list[dict[str, str]] = []
+        # Per engine: its workers, read once by check_engines (the broadcast groups' layout).
+        self.engine_world_sizes: list[int] = []
         self.buckets: list[Bucket] = []
         self._timeout = timedelta(seconds=config.transfer_timeout_s)
         self._send_timer = PhaseTimer()
@@ -111,7 +113,7 @@ class WeightUpdater:
         place = SenderPlace(
             pp_rank=self.topology.pp_rank,
             pp_size=self.topology.pp_size,
-            engine_world_sizes=lambda: [int(e.get_world_size()) for e in self.engines],
+            engine_world_sizes=self.engine_world_sizes,
             bucket_bytes=self.config.update_weight_buffer_size,
             timeout_s=self.config.transfer_timeout_s,
         )
@@ -131,12 +133,12 @@ class WeightUpdater:
         kept for `verify_checksums`.
         """
         problem: str | None = None
-        served: list[dict[str, str]] = []
+        served: list[tuple[dict[str, str], int]] = []
         if dist.get_rank(self.sync_group) == 0:
             specs = [(m.name, m.dtype, m.shape) for m in self.metadata]
             kind = self.config.transport.kind
 
-            def check(engine: Any) -> dict[str, str]:
+            def check(engine: Any) -> tuple[dict[str, str], int]:
                 # What the engine was started with, before any group is built or byte sent.
                 layout = engine.transfer_layout()
                 if layout["backend"] != kind:
@@ -156,7 +158,7 @@ class WeightUpdater:
                         check_against_engine(specs, expected, allow_lossless_casts=True)
                     except ValueError as exc:
                         raise ValueError(f"worker {worker}: {exc}") from None
-                return {m["name"]: m["dtype"] for m in workers[0]}
+                return {m["name"]: m["dtype"] for m in workers[0]}, len(workers)
 
             try:
                 served = call_engines(
@@ -170,7 +172,8 @@ class WeightUpdater:
             raise ValueError(
                 f"trainer weights do not fit the engines, nothing was sent: {verdict[0]}"
             )
-        self.served_dtypes = verdict[1]
+        self.served_dtypes = [dtypes for dtypes, _ in verdict[1]]
+        self.engine_world_sizes = [world_size for _, world_size in verdict[1]]
 
     def connect(self) -> None:
         """Check the engines, plan this stage's buckets and join the engines, stage by stage."""

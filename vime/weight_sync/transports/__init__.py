@@ -30,7 +30,7 @@ class SenderPlace:
 
     pp_rank: int
     pp_size: int
-    engine_world_sizes: Callable[[], Sequence[int]]  # asked only by broadcast transports
+    engine_world_sizes: Sequence[int]  # each engine's workers, in engine order
     bucket_bytes: int
     timeout_s: float
 
@@ -52,7 +52,7 @@ def _gloo(config: GlooTransportConfig, place: SenderPlace) -> Transport:
 
     address, port = _rendezvous(config)
     return GlooTransport(
-        engine_world_sizes=place.engine_world_sizes(),
+        engine_world_sizes=place.engine_world_sizes,
         master_address=address,
         master_port=port,
         group_name=stage_group_name(place.pp_rank),
@@ -71,7 +71,7 @@ def _nccl(config: NcclTransportConfig, place: SenderPlace) -> Transport:
         )
     address, port = _rendezvous(config)
     return NcclTransport(
-        engine_world_sizes=place.engine_world_sizes(),
+        engine_world_sizes=place.engine_world_sizes,
         master_address=address,
         master_port=port or free_port(address),
         max_bucket_bytes=place.bucket_bytes,
