@@ -22,7 +22,8 @@ from vime.rollout.server import ServerProcess
 pytestmark = pytest.mark.unit
 
 FAKE_SERVER = """
-import mmap, os, subprocess, sys, time
+import mmap, os, subprocess, sys, tempfile, time
+print("fake server temp dir", tempfile.mkdtemp(), flush=True)  # as vLLM's vllm_dist_* file
 fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)
 os.ftruncate(fd, 4096)
 mapping = mmap.mmap(fd, 4096)
@@ -55,6 +56,12 @@ def _wait(predicate, timeout_s: float) -> float:
             raise AssertionError(f"not within {timeout_s} s")
         time.sleep(0.05)
     return time.monotonic() - start
+
+
+def _temp_dir(log_path) -> str:
+    """The temp directory the fake server made its file in (inside the keeper's TMPDIR)."""
+    line = next(x for x in log_path.read_text().splitlines() if "fake server temp dir" in x)
+    return line.split()[-1]
 
 
 def _started(pgid: int, shm_path: str) -> None:
@@ -92,6 +99,9 @@ def test_server_sigkill_ends_its_orphans(shm_path, tmp_path):
         assert group_members(keeper.pid) == []
         assert not os.path.exists(shm_path)
         assert "server exited with code -9" in (tmp_path / "log").read_text()
+        made = _temp_dir(tmp_path / "log")
+        assert os.path.dirname(made) == keeper.temp_dir
+        assert not os.path.exists(os.path.dirname(made)), "the server's TMPDIR outlived it"
         print(f"server SIGKILL -> group ended in {took:.2f} s")
     finally:
         server.stop(grace_s=1)
@@ -105,6 +115,7 @@ def test_stop_ends_group_and_unlinks_segments(shm_path, tmp_path):
     server.stop(grace_s=1)
     assert group_members(keeper.pid) == []
     assert not os.path.exists(shm_path)
+    assert not os.path.exists(os.path.dirname(_temp_dir(tmp_path / "log")))
 
 
 def test_keeper_sigkill_takes_the_server_with_it(shm_path, tmp_path):
@@ -116,6 +127,8 @@ def test_keeper_sigkill_takes_the_server_with_it(shm_path, tmp_path):
     os.kill(keeper.pid, signal.SIGKILL)
     keeper.wait()
     _wait(lambda: server_pid not in group_members(keeper.pid), 5)  # PR_SET_PDEATHSIG
+    assert os.path.isdir(keeper.temp_dir)  # the keeper died before it could delete it
     server.stop(grace_s=1)  # the orphaned stuck child is still the group's: stop ends it
     assert group_members(keeper.pid) == []
+    assert not os.path.exists(keeper.temp_dir)  # stop deletes it instead
     # (The segment stays: only the dead server mapped it, and only the keeper had noted it.)

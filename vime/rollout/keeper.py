@@ -14,6 +14,10 @@ Ending the group: note the /dev/shm files its processes map (vLLM's `psm_*` mess
 `vllm_dist_*` TP communicators, `sem.mp-*`), SIGTERM them, SIGKILL what is left after the grace,
 then unlink those files: a SIGKILLed vLLM never unlinks its own segments.
 
+The server runs with a private TMPDIR that the keeper makes and deletes when the group has ended:
+vLLM leaves a `vllm_dist_*` rendezvous file in the temp directory at every start (its
+torch.distributed file:// init method), which no one removes otherwise.
+
 The keeper is a child subreaper, so processes orphaned inside the group (EngineCore after its
 api_server died) are re-parented to it and reaped here, never to init.
 """
@@ -28,6 +32,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -146,8 +151,9 @@ class KeptProcess:
     """A keeper this process started (not its child: the keeper detaches itself). Waits use a
     pidfd, so a reused pid is never mistaken for the keeper. Popen-like: pid, poll(), wait()."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, temp_dir: str | None = None):
         self.pid = pid
+        self.temp_dir = temp_dir  # the server's TMPDIR, deleted by the keeper (or by stop())
         self._pidfd = os.pidfd_open(pid)
         self.returncode: int | None = None  # 0 once gone (a non-child's exit code is not known)
 
@@ -188,7 +194,9 @@ def spawn_kept(
     before it has ended the group. It watches this process through a pidfd instead.
     """
     read_end, write_end = os.pipe()
+    temp_dir = tempfile.mkdtemp(prefix="vime-engine-tmp-")
     keeper = [sys.executable, "-m", "vime.rollout.keeper", "--owner", str(os.getpid())]
+    keeper += ["--temp-dir", temp_dir]
     if remove_dir:
         keeper += ["--remove-dir", remove_dir]
     try:
@@ -204,12 +212,14 @@ def spawn_kept(
     with os.fdopen(read_end) as report:
         if not select.select([report], [], [], SPAWN_TIMEOUT_S)[0]:
             first.kill()
+            shutil.rmtree(temp_dir, ignore_errors=True)
             raise RuntimeError(f"keeper for {cmd[:3]} did not start within {SPAWN_TIMEOUT_S} s")
         reported = report.read().strip()
     first.wait(timeout=SPAWN_TIMEOUT_S)
     if not reported.isdigit():
+        shutil.rmtree(temp_dir, ignore_errors=True)
         raise RuntimeError(f"keeper for {cmd[:3]} failed to start (exit code {first.returncode})")
-    return KeptProcess(int(reported))
+    return KeptProcess(int(reported), temp_dir)
 
 
 def _reap_children() -> None:
@@ -234,6 +244,12 @@ def _kill_with_keeper() -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _default_inductor_cache() -> str:
+    import getpass
+
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+
+
 def detach(owner: int, report_fd: int) -> int:
     """Leave the launcher's process tree: fork, let the first process exit, setsid. Returns a pidfd
     of `owner`, opened while the owner still waits for the report (so it is the right process);
@@ -253,9 +269,12 @@ def run(
     owner: int,
     owner_fd: int | None = None,
     remove_dir: str | None = None,
+    temp_dir: str | None = None,
 ) -> int:
     """Run `cmd`, watch it and `owner` (via `owner_fd`, a pidfd, when given; else as the parent);
-    end the group when either ends or on SIGTERM. The exit code says why."""
+    end the group when either ends or on SIGTERM. The exit code says why.
+
+    `temp_dir`: the server's TMPDIR (made here when None); deleted once the group has ended."""
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     stop_signal: list[int] = []
 
@@ -264,8 +283,15 @@ def run(
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
-    server = subprocess.Popen(cmd, preexec_fn=_kill_with_keeper)
-    print(f"vime keeper {os.getpid()}: server pid {server.pid}, owner pid {owner}", flush=True)
+    temp_dir = temp_dir or tempfile.mkdtemp(prefix="vime-engine-tmp-")
+    env = {**os.environ, "TMPDIR": temp_dir}
+    # torch.compile's cache stays where it would be without the private TMPDIR (shared, kept).
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", _default_inductor_cache())
+    server = subprocess.Popen(cmd, preexec_fn=_kill_with_keeper, env=env)
+    print(
+        f"vime keeper {os.getpid()}: server pid {server.pid}, owner pid {owner}, TMPDIR {temp_dir}",
+        flush=True,
+    )
     code = 0
     seen_segments: set[str] = set()
     polls = 0
@@ -297,6 +323,7 @@ def run(
         _reap_children()
 
     removed = end_group(os.getpgrp(), grace_s, reap, seen_segments)
+    shutil.rmtree(temp_dir, ignore_errors=True)
     if remove_dir and not reason.startswith("server exited"):
         shutil.rmtree(remove_dir, ignore_errors=True)  # kept, with its logs, when cmd failed
     print(
@@ -319,6 +346,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--remove-dir", default=None, help="a directory to delete at the end, unless cmd failed"
     )
+    parser.add_argument(
+        "--temp-dir", default=None, help="the server's TMPDIR, deleted at the end (default: new)"
+    )
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the server's argv")
     args = parser.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -326,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give the server's command after --")
     owner = args.owner if args.owner is not None else os.getppid()
     owner_fd = detach(owner, args.report_fd) if args.report_fd is not None else None
-    sys.exit(run(cmd, args.grace_s, owner, owner_fd, args.remove_dir))
+    sys.exit(run(cmd, args.grace_s, owner, owner_fd, args.remove_dir, args.temp_dir))
 
 
 if __name__ == "__main__":
