@@ -119,10 +119,10 @@ class TrainConfig(StrictModel):
     def _check_combination(self) -> TrainConfig:
         if self.engine.num_nodes > 1 and not self.engine.external_urls:
             raise ValueError(
-                f"engine.num_nodes={self.engine.num_nodes}: the RL job cannot use an engine "
-                "spanning nodes yet (weight sync checks and loads TP=1 engines only); run it as "
-                "a server (vime.rollout.server.launch_server with EngineNodeRole) or set "
-                "engine.num_nodes=1"
+                f"engine.num_nodes={self.engine.num_nodes}: the RL job launches each engine on "
+                "one node (Ray places one bundle per engine); start an engine spanning nodes "
+                "yourself (vime.rollout.server.launch_server with EngineNodeRole) and give its "
+                "URL in engine.external_urls, or set engine.num_nodes=1"
             )
         if self.engine.fault_tolerance and self.engine.external_urls:
             raise ValueError(

@@ -11,19 +11,26 @@ weights bit for bit and greedy output must equal HF transformers on those weight
 
 from __future__ import annotations
 
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 from engine_token import TOKEN
-from safetensors.torch import load_file, save_file
-from weight_sync_harness import GREEDY_TOKENS, PROMPT_IDS, SyncJob, SyncStep, run_sync_job
+from safetensors.torch import load_file
+from weight_sync_harness import (
+    GREEDY_TOKENS,
+    PROMPT_IDS,
+    HFReference,
+    SyncJob,
+    SyncStep,
+    assert_synced,
+    hf_greedy,
+    run_sync_job,
+)
 
 from vime.config import EngineConfig
 from vime.rollout.vllm_engine import VLLMEngine
-from vime.weight_sync.buckets import dtype_from_name, tensor_digest
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -71,79 +78,9 @@ def servers(model_dir, model_builder, tmp_path_factory):
             engine.shutdown()
 
 
-class HFReference:
-    """HF transformers on exported weights: the tiny model's config with other tensors."""
-
-    def __init__(self, model_dir: str, root: Path):
-        self.model_dir = Path(model_dir)
-        self.root = root
-        self.count = 0
-
-    def load(self, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
-        from transformers import AutoModelForCausalLM
-
-        self.count += 1
-        out = self.root / f"exported-{self.count}"
-        out.mkdir(parents=True)
-        for file in self.model_dir.iterdir():
-            if file.is_file() and file.suffix != ".safetensors":
-                shutil.copy(file, out / file.name)
-        save_file(
-            {k: v.contiguous() for k, v in weights.items()},
-            out / "model.safetensors",
-            metadata={"format": "pt"},
-        )
-        return AutoModelForCausalLM.from_pretrained(out, dtype=dtype).eval()
-
-
 @pytest.fixture(scope="module")
 def hf(model_dir, tmp_path_factory) -> HFReference:
     return HFReference(model_dir, tmp_path_factory.mktemp("hf"))
-
-
-def hf_greedy(model, prompt_ids, num_tokens: int) -> list[int]:
-    """Greedy decoding with the KV cache: argmax, no stopping, no logits processors."""
-    ids = torch.tensor([list(prompt_ids)])
-    out = []
-    past = None
-    with torch.no_grad():
-        for _ in range(num_tokens):
-            result = model(input_ids=ids, past_key_values=past, use_cache=True)
-            past = result.past_key_values
-            token = int(result.logits[0, -1].argmax())
-            out.append(token)
-            ids = torch.tensor([[token]])
-    return out
-
-
-def assert_synced(record: dict, exported: dict, hf: HFReference, checkpoint: dict) -> None:
-    """Every engine of the step serves `exported` exactly and generates like HF on it."""
-    step = record["step"]
-    assert exported, "no weights exported"
-    assert any(not torch.equal(t, checkpoint[name]) for name, t in exported.items()), (
-        "the SGD step changed nothing"
-    )
-    dtype = next(iter(exported.values())).dtype
-    reference_tokens = hf_greedy(hf.load(exported, dtype), PROMPT_IDS, GREEDY_TOKENS)
-    for engine in record["engines"]:
-        # vLLM CPU serves some tensors of a bfloat16 model in float32 (an exact upcast).
-        served_dtypes = engine["served_dtypes"]
-        expected = {
-            name: tensor_digest(t.to(dtype_from_name(served_dtypes[name])))
-            for name, t in exported.items()
-        }
-        served = engine["checksums"]
-        differ = sorted(
-            n for n in expected.keys() | served.keys() if expected.get(n) != served.get(n)
-        )
-        assert not differ, f"{engine['url']} serves tensors unlike the trainer's: {differ}"
-        assert engine["greedy"] == reference_tokens, engine["url"]
-        assert engine["weight_version"] == str(step.version)
-        assert engine["is_paused"] is False
-    report = record["report"]
-    assert report.weight_version == step.version
-    assert report.verified
-    assert {"pause", "start", "send", "finish", "verify", "resume"} <= set(report.seconds)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ The test process asserts on those files.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 import time
 import traceback
@@ -23,6 +24,7 @@ import requests
 import torch
 from engine_token import HEADERS, TOKEN
 from megatron_harness import init_gloo_rank, spawn_ranks
+from safetensors.torch import save_file
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=90)
 GREEDY_TOKENS = 12
@@ -286,10 +288,9 @@ def _record_engines(rank: int, record: dict, engines, out_dir: Path, index: int)
     record["engines"] = [
         {
             "url": engine.url,
-            "checksums": engine.collective_rpc("vime_weight_checksums")[0],
-            "served_dtypes": {
-                m["name"]: m["dtype"] for m in engine.collective_rpc("vime_weight_metadata")[0]
-            },
+            # Per worker: its metadata (dtype, whole shape, slice held) and its parts' digests.
+            "metadata": engine.collective_rpc("vime_weight_metadata"),
+            "checksums": engine.collective_rpc("vime_weight_checksums"),
             "greedy": completions_greedy(engine.url, PROMPT_IDS),
             "weight_version": engine.get_weight_version(),
             "is_paused": engine.is_paused(),
@@ -297,6 +298,33 @@ def _record_engines(rank: int, record: dict, engines, out_dir: Path, index: int)
         for engine in engines
     ]
     torch.save(record, out_dir / f"step{index}-record.pt")
+
+
+def served_differences(engine_record: dict, exported: dict) -> list[str]:
+    """Tensors some worker of the engine serves unlike the same slice of `exported`.
+
+    Computed here from the worker's reported slice and dtype (vLLM CPU serves some tensors of a
+    bfloat16 model in float32, an exact upcast), independently of the updater's own check.
+    """
+    from vime.weight_sync.buckets import dtype_from_name, tensor_digest
+    from vime.weight_sync.shards import Shard
+
+    differ = []
+    workers = zip(engine_record["metadata"], engine_record["checksums"], strict=True)
+    for worker, (metadata, served) in enumerate(workers):
+        expected = {}
+        for entry in metadata:
+            whole = exported[entry["name"]]
+            shard = Shard.from_list(entry["shard"])
+            part = whole if shard is None else shard.take(whole)
+            expected[entry["name"]] = tensor_digest(part.to(dtype_from_name(entry["dtype"])))
+        assert expected.keys() == exported.keys(), f"worker {worker} serves other tensors"
+        differ += [
+            f"worker {worker}: {name}"
+            for name in expected.keys() | served.keys()
+            if expected.get(name) != served.get(name)
+        ]
+    return sorted(differ)
 
 
 def run_sync_job(job: SyncJob, world_size: int, out_dir: Path, *, timeout_s: float = 240.0):
@@ -315,3 +343,64 @@ def run_sync_job(job: SyncJob, world_size: int, out_dir: Path, *, timeout_s: flo
             weights.update(torch.load(part, weights_only=False))
         exported.append(weights)
     return records, exported
+
+
+class HFReference:
+    """HF transformers on exported weights: the tiny model's config with other tensors."""
+
+    def __init__(self, model_dir: str, root: Path):
+        self.model_dir = Path(model_dir)
+        self.root = root
+        self.count = 0
+
+    def load(self, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
+        from transformers import AutoModelForCausalLM
+
+        self.count += 1
+        out = self.root / f"exported-{self.count}"
+        out.mkdir(parents=True)
+        for file in self.model_dir.iterdir():
+            if file.is_file() and file.suffix != ".safetensors":
+                shutil.copy(file, out / file.name)
+        save_file(
+            {k: v.contiguous() for k, v in weights.items()},
+            out / "model.safetensors",
+            metadata={"format": "pt"},
+        )
+        return AutoModelForCausalLM.from_pretrained(out, dtype=dtype).eval()
+
+
+def hf_greedy(model, prompt_ids, num_tokens: int) -> list[int]:
+    """Greedy decoding with the KV cache: argmax, no stopping, no logits processors."""
+    ids = torch.tensor([list(prompt_ids)])
+    out = []
+    past = None
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            result = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            token = int(result.logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.tensor([[token]])
+    return out
+
+
+def assert_synced(record: dict, exported: dict, hf: HFReference, checkpoint: dict) -> None:
+    """Every engine of the step serves `exported` exactly and generates like HF on it."""
+    step = record["step"]
+    assert exported, "no weights exported"
+    assert any(not torch.equal(t, checkpoint[name]) for name, t in exported.items()), (
+        "the SGD step changed nothing"
+    )
+    dtype = next(iter(exported.values())).dtype
+    reference_tokens = hf_greedy(hf.load(exported, dtype), PROMPT_IDS, GREEDY_TOKENS)
+    for engine in record["engines"]:
+        differ = served_differences(engine, exported)
+        assert not differ, f"{engine['url']} serves tensors unlike the trainer's: {differ}"
+        assert engine["greedy"] == reference_tokens, engine["url"]
+        assert engine["weight_version"] == str(step.version)
+        assert engine["is_paused"] is False
+    report = record["report"]
+    assert report.weight_version == step.version
+    assert report.verified
+    assert {"pause", "start", "send", "finish", "verify", "resume"} <= set(report.seconds)

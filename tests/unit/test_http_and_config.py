@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from vime.config import EngineConfig, apply_overrides, load_config
 from vime.rollout.generation import SamplingConfig, expand_weight_versions
@@ -128,7 +129,29 @@ def test_cpu_engines_get_disjoint_cores(monkeypatch):
     assert cpu_core_binding(0, 1, 1) is None  # one engine: vLLM's "auto"
     assert [cpu_core_binding(rank, 2, 1) for rank in range(2)] == ["0,1", "2,3"]
     assert cpu_core_binding(1, 2, 2) == "2|3"  # one core per TP worker
-    assert cpu_core_binding(0, 4, 2) is None  # too few cores to split
+    # One TP engine: vLLM's "auto" refuses TP > 1 on one NUMA node, so vime binds it too.
+    assert cpu_core_binding(0, 1, 2) == "0,1|2,3"
+    # Fewer cores than workers: one core each, round robin.
+    assert [cpu_core_binding(rank, 4, 2) for rank in range(3)] == ["0|1", "2|3", "0|1"]
+    assert cpu_core_binding(0, 1, 8) == "0|1|2|3|0|1|2|3"
+    assert cpu_core_binding(0, 8, 1) is None  # single-worker engines outnumber the cores
+
+
+def test_served_slices_are_checked_and_taken_from_the_whole_tensor():
+    from vime.weight_sync.shards import Shard, worker_layout
+
+    layout = worker_layout(
+        [
+            {"name": "a", "dtype": "float32", "shape": [6, 4], "shard": [0, 3, 6]},
+            {"name": "b", "dtype": "bfloat16", "shape": [4], "shard": None},
+        ]
+    )
+    assert layout == {"a": ("float32", Shard(0, 3, 6)), "b": ("bfloat16", None)}
+    whole = torch.arange(24.0).reshape(6, 4)
+    assert torch.equal(Shard(0, 3, 6).take(whole), whole[3:])
+    assert torch.equal(Shard(1, 2, 4).take(whole), whole[:, 2:])
+    with pytest.raises(ValueError, match=r"c: the worker reports slice dim 0 \[4:8\]"):
+        worker_layout([{"name": "c", "dtype": "float32", "shape": [6], "shard": [0, 4, 8]}])
 
 
 def test_cpu_server_keeps_freed_memory_unless_told_not_to(monkeypatch):

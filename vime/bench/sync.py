@@ -49,6 +49,7 @@ from vime.bench.sync_setup import (
     Trainer,
     all_cores,
     build_trainer,
+    engine_cpu_binding,
     pin_trainer,
     running_engine,
     unpin,
@@ -203,6 +204,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bucket-mib", type=int, default=512, help="bucket cap in MiB")
     parser.add_argument("--tp", type=int, default=1, help="trainer tensor-parallel size")
     parser.add_argument(
+        "--engine-tp", type=int, default=1, help="the engine's tensor-parallel size (its workers)"
+    )
+    parser.add_argument(
         "--engine-env", nargs="*", default=[], help="KEY=VALUE environment for the vLLM servers"
     )
     parser.add_argument(
@@ -218,6 +222,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(
             f"need --iterations >= 1 and --warmup >= 0, got {args.iterations}, {args.warmup}"
         )
+    if args.engine_tp < 1:
+        parser.error(f"--engine-tp must be >= 1, got {args.engine_tp}")
     if args.bucket_mib < 1:
         parser.error(f"--bucket-mib must be >= 1, got {args.bucket_mib}")
     return args
@@ -267,6 +273,8 @@ def report(args: argparse.Namespace, argv: list[str], results: list[DtypeResult]
         "preset": args.preset,
         "bucket_mib": args.bucket_mib,
         "tp": args.tp,
+        "engine_tp": args.engine_tp,
+        "engine_cpu_binding": engine_cpu_binding(args.engine_tp),
         "results": [
             {
                 **asdict(r),
@@ -281,7 +289,8 @@ def report(args: argparse.Namespace, argv: list[str], results: list[DtypeResult]
     path.write_text(json.dumps(document, indent=2))
     model_gb = ", ".join(f"{r.dtype} {r.num_bytes / 1e9:.2f} GB" for r in results)
     print(
-        f"\nvime bench-sync: {args.preset} ({model_gb}), seconds, the median of "
+        f"\nvime bench-sync: {args.preset} ({model_gb}), trainer TP {args.tp}, engine TP "
+        f"{args.engine_tp}, seconds, the median of "
         f"{args.iterations} syncs after {args.warmup} warm-up ones"
     )
     print(format_table(results))

@@ -42,11 +42,25 @@ def split_cores() -> tuple[list[int], list[int]]:
     return cores[:-1], cores[-1:]
 
 
-def engine_cpu_binding() -> dict[str, str]:
+def engine_cpu_binding(tensor_parallel_size: int = 1) -> dict[str, str]:
+    """The engine's cores, split between its workers (`|`-separated lists, one per worker).
+
+    With fewer engine cores than workers each worker gets one core of all of them, round robin:
+    the workers then share cores with each other and the trainer (say so next to any figure).
+    """
     if torch.cuda.is_available():
         return {}
     engine_cores, _ = split_cores()
-    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, engine_cores))}
+    if len(engine_cores) < tensor_parallel_size:
+        cores = sorted(all_cores())
+        lists = [[cores[worker % len(cores)]] for worker in range(tensor_parallel_size)]
+    else:
+        per_worker = len(engine_cores) // tensor_parallel_size
+        lists = [
+            engine_cores[worker * per_worker : (worker + 1) * per_worker]
+            for worker in range(tensor_parallel_size)
+        ]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, c)) for c in lists)}
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:
@@ -92,9 +106,10 @@ def running_engine(
         max_model_len=512,
         max_num_seqs=8,
         weight_transfer_backend=transport,
+        tensor_parallel_size=args.engine_tp,
         request_timeout_s=900,
         startup_timeout_s=900,
-        extra_env={**engine_cpu_binding(), **parse_env(args.engine_env)},
+        extra_env={**engine_cpu_binding(args.engine_tp), **parse_env(args.engine_env)},
         cpu_reuse_freed_memory=args.engine_malloc == "reuse",
     )
     engine = None

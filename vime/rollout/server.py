@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,17 +41,26 @@ REUSE_FREED_MEMORY_TUNABLES = ("glibc.malloc.mmap_max=0", "glibc.malloc.trim_thr
 
 
 def cpu_core_binding(rank: int, num_engines: int, tensor_parallel_size: int) -> str | None:
-    """VLLM_CPU_OMP_THREADS_BIND giving each of `num_engines` local CPU engines its own cores.
+    """VLLM_CPU_OMP_THREADS_BIND giving each worker of `num_engines` local CPU engines its cores.
 
-    vLLM's "auto" binds every engine to the same cores (all but one), so several engines on one
-    host spin on one core in turn. None (keep "auto") for a single engine or too few cores.
+    One core list per worker, `|`-separated: the engine's share of this process's cores split
+    evenly between its `tensor_parallel_size` workers. vLLM's "auto" binds every engine to the
+    same cores (all but one), so several engines on one host spin on one core in turn, and
+    refuses a TP > 1 engine on a one-NUMA-node machine. With fewer cores than workers, each
+    worker gets one core, round robin (workers then share cores). None (keep "auto") for one
+    single-worker engine, or single-worker engines outnumbering the cores.
     """
-    if num_engines <= 1:
+    if num_engines <= 1 and tensor_parallel_size <= 1:
         return None
     cores = sorted(os.sched_getaffinity(0))
     cores_per_engine = len(cores) // num_engines
     if cores_per_engine < tensor_parallel_size:
-        return None
+        if tensor_parallel_size == 1:
+            return None
+        first = (rank % num_engines) * tensor_parallel_size
+        return "|".join(
+            str(cores[(first + worker) % len(cores)]) for worker in range(tensor_parallel_size)
+        )
     mine = cores[(rank % num_engines) * cores_per_engine :][:cores_per_engine]
     per_worker = cores_per_engine // tensor_parallel_size
     return "|".join(
@@ -238,6 +248,9 @@ class ServerProcess:
             pass
         end_group(self.pid, grace_s=0.5, reap=self.process.poll)
         self.process.wait(timeout=grace_s)
+        temp_dir = getattr(self.process, "temp_dir", None)
+        if temp_dir:  # normally gone with the keeper; not if the keeper was SIGKILLed
+            shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def launch_server(

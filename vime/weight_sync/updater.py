@@ -49,9 +49,20 @@ from vime.weight_sync.session import (
     call_engines,
     run_sync_session,
 )
+from vime.weight_sync.shards import Shard, WorkerLayout, worker_layout
 from vime.weight_sync.transports import SenderPlace, Transport, make_transport
 
 logger = logging.getLogger(__name__)
+
+
+# What one engine worker serves of a tensor: its dtype name and its slice (None: all of it).
+Served = tuple[str, Shard | None]
+
+
+def _digest(tensor: torch.Tensor, dtype: str, shard: Shard | None) -> str:
+    """The digest a worker serving `shard` of `tensor` in `dtype` must report."""
+    part = tensor if shard is None else shard.take(tensor)
+    return tensor_digest(part.to(dtype_from_name(dtype)))
 
 
 class WeightUpdater:
@@ -86,8 +97,9 @@ class WeightUpdater:
         self.weight_version = weight_version
         self.metadata: list[HFWeightMeta] = hf_weight_metadata(converter, unwrap(model).config)
         self.transport: Transport | None = None
-        # Per engine: HF name -> the dtype it serves (from check_engines; may be wider than sent).
-        self.served_dtypes: list[dict[str, str]] = []
+        # Per engine, per worker: HF name -> the dtype it serves (may be wider than sent) and the
+        # slice of the whole tensor it holds (tensor parallelism); read by check_engines.
+        self.engine_layouts: list[list[WorkerLayout]] = []
         # Per engine: its workers, read once by check_engines (the broadcast groups' layout).
         self.engine_world_sizes: list[int] = []
         self.buckets: list[Bucket] = []
@@ -125,20 +137,20 @@ class WeightUpdater:
         """Compare the trainer's HF names, dtypes and shapes with every engine's; no bytes move.
 
         Rank 0 first reads how each engine was started (GET /server_info: its weight-transfer
-        backend must be `weight_sync.transport`, its workers tp x pp x dp), then asks the engines
-        (vime_weight_metadata over collective_rpc) and tells every rank
-        the verdict, so all ranks raise the same ValueError naming the mismatched tensors. A
-        tensor may be sent narrower than the engine serves it when the cast is exact (vLLM's CPU
-        build keeps some tensors of bfloat16 models in float32); each engine's served dtypes are
-        kept for `verify_checksums`.
+        backend must be `weight_sync.transport`, its workers tp x pp x dp), then asks every
+        worker of every engine (vime_weight_metadata over collective_rpc) and tells every rank
+        the verdict, so all ranks raise the same ValueError naming the worker and the mismatched
+        tensors. A tensor may be sent narrower than the engine serves it when the cast is exact
+        (vLLM's CPU build keeps some tensors of bfloat16 models in float32). Each worker's
+        served dtypes and slices (tensor parallelism) are kept for `verify_checksums`.
         """
         problem: str | None = None
-        served: list[tuple[dict[str, str], int]] = []
+        served: list[list[WorkerLayout]] = []
         if dist.get_rank(self.sync_group) == 0:
             specs = [(m.name, m.dtype, m.shape) for m in self.metadata]
             kind = self.config.transport.kind
 
-            def check(engine: Any) -> tuple[dict[str, str], int]:
+            def check(engine: Any) -> list[WorkerLayout]:
                 # What the engine was started with, before any group is built or byte sent.
                 layout = engine.transfer_layout()
                 if layout["backend"] != kind:
@@ -153,12 +165,14 @@ class WeightUpdater:
                         f"{len(workers)} workers answered, the engine's parallel config has "
                         f"{layout['world_size']}"
                     )
+                layouts = []
                 for worker, expected in enumerate(workers):
                     try:
                         check_against_engine(specs, expected, allow_lossless_casts=True)
+                        layouts.append(worker_layout(expected))
                     except ValueError as exc:
                         raise ValueError(f"worker {worker}: {exc}") from None
-                return {m["name"]: m["dtype"] for m in workers[0]}, len(workers)
+                return layouts
 
             try:
                 served = call_engines(
@@ -172,8 +186,8 @@ class WeightUpdater:
             raise ValueError(
                 f"trainer weights do not fit the engines, nothing was sent: {verdict[0]}"
             )
-        self.served_dtypes = [dtypes for dtypes, _ in verdict[1]]
-        self.engine_world_sizes = [world_size for _, world_size in verdict[1]]
+        self.engine_layouts = verdict[1]
+        self.engine_world_sizes = [len(workers) for workers in verdict[1]]
 
     def connect(self) -> None:
         """Check the engines, plan this stage's buckets and join the engines, stage by stage."""
@@ -217,7 +231,7 @@ class WeightUpdater:
             raise RuntimeError("call connect() before update_weights()")
         self.weight_version += 1
         self._send_timer.reset()
-        sent: dict[str, dict[str, str]] = {}  # name -> {served dtype: digest}
+        sent: dict[str, dict[Served, str]] = {}  # name -> {(served dtype, slice): digest}
         counts = {"buckets": 0, "bytes": 0}
         verify = None
         if self.config.verify_checksums:
@@ -258,7 +272,7 @@ class WeightUpdater:
             seconds["transfer"] = max(0.0, inside - own)
         return seconds
 
-    def _send_stage(self, sent: dict[str, dict[str, str]], counts: dict[str, int]) -> None:
+    def _send_stage(self, sent: dict[str, dict[Served, str]], counts: dict[str, int]) -> None:
         gathered = gather_hf_weights(
             self.model,
             converter=self.converter,
@@ -280,11 +294,11 @@ class WeightUpdater:
             if record:
                 with timer.phase("checksum"):
                     for name, tensor in tensors.items():
-                        targets = {served[name] for served in self.served_dtypes}
-                        sent[name] = {
-                            target: tensor_digest(tensor.to(dtype_from_name(target)))
-                            for target in targets
+                        # Each distinct (dtype, slice) some engine worker serves, digested once.
+                        targets = {
+                            layout[name] for workers in self.engine_layouts for layout in workers
                         }
+                        sent[name] = {target: _digest(tensor, *target) for target in targets}
             with timer.phase("pack"):
                 pack(tensors, bucket, buffer)
             counts["buckets"] += 1
@@ -297,16 +311,18 @@ class WeightUpdater:
         leftover = [name for name, _ in gathered]
         assert not leftover, f"gathered tensors missing from the bucket plan: {leftover}"
 
-    def _verify(self, sent: dict[str, dict[str, str]]) -> None:
-        """The engines' sha256 of every tensor this sender sent must equal the trainer's."""
+    def _verify(self, sent: dict[str, dict[Served, str]]) -> None:
+        """Every engine worker's sha256 of its part of each tensor this sender sent must equal
+        the trainer's digest of the same slice."""
 
         def compare(engine: Any) -> None:
-            dtypes = self.served_dtypes[self.engines.index(engine)]
+            layouts = self.engine_layouts[self.engines.index(engine)]
             for worker, served in enumerate(engine.collective_rpc("vime_weight_checksums")):
+                layout = layouts[worker]
                 differ = sorted(
-                    name
+                    name if layout[name][1] is None else f"{name} ({layout[name][1]})"
                     for name, digests in sent.items()
-                    if served.get(name) != digests[dtypes[name]]
+                    if served.get(name) != digests[layout[name]]
                 )
                 if differ:
                     raise ValueError(

@@ -21,8 +21,9 @@ reload (start/finish wrap `initialize_layerwise_reload` / `finalize_layerwise_re
 vLLM's own NCCL and IPC engines.
 
 `VimeWorkerExtension` adds methods callable through `POST /collective_rpc`:
-`vime_weight_metadata` (HF names, dtypes and shapes the engine expects, to check before sending),
-`vime_weight_checksums` (sha256 per HF-named tensor, to check after) and
+`vime_weight_metadata` (HF names, dtypes and whole shapes the engine expects, and the slice each
+worker holds, to check before sending), `vime_weight_checksums` (sha256 of each worker's part of
+every HF-named tensor, to check after) and
 `vime_weight_update_stats` (where the last update's time went on the worker).
 """
 
@@ -34,7 +35,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from vime.weight_sync.buckets import dtype_name, tensor_digest
 from vime.weight_sync.engine.gloo import GlooWeightTransferEngine
-from vime.weight_sync.engine.readback import hf_named_parameters
+from vime.weight_sync.engine.readback import served_shards
 from vime.weight_sync.engine.shm import ShmWeightTransferEngine
 
 
@@ -47,11 +48,18 @@ class VimeWorkerExtension:
     """
 
     def vime_weight_metadata(self) -> list[dict[str, Any]]:
-        """[{"name", "dtype", "shape"}] of every weight this worker serves, under HF names."""
+        """[{"name", "dtype", "shape", "shard"}] of every weight this worker serves, under HF
+        names: "shape" is the whole tensor's, "shard" the [dim, start, stop] slice of it this
+        worker holds (None: all of it)."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         return [
-            {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
-            for name, t in hf_named_parameters(model, materialize=False)
+            {
+                "name": served.name,
+                "dtype": dtype_name(served.tensor.dtype),
+                "shape": list(served.shape),
+                "shard": None if served.shard is None else served.shard.to_list(),
+            }
+            for served in served_shards(model, materialize=False)
         ]
 
     def vime_weight_update_stats(self) -> dict[str, float]:
@@ -60,9 +68,9 @@ class VimeWorkerExtension:
         return dict(getattr(engine, "stats", {}))
 
     def vime_weight_checksums(self) -> dict[str, str]:
-        """{HF name: sha256 hex of the tensor's bytes} for every weight this worker serves."""
+        """{HF name: sha256 hex of this worker's part's bytes} for every weight it serves."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        return {name: tensor_digest(t) for name, t in hf_named_parameters(model)}
+        return {served.name: tensor_digest(served.tensor) for served in served_shards(model)}
 
 
 def register_backends() -> None:

@@ -1,53 +1,112 @@
 """Reading back what an engine worker serves, under HF names: for the pre-send metadata check
 and the post-sync checksums (`VimeWorkerExtension`).
+
+With tensor parallelism each worker holds a slice of some tensors. `served_shards` says, for
+every HF tensor, which slice this worker holds (a `Shard`: one dimension, a start and a stop in
+the whole HF tensor), so the trainer can compare the worker's part with the same slice of the
+tensor it sent. The slices follow vLLM's own weight loaders: column-parallel layers split rows
+(per fused part: q/k/v, gate/up; k/v heads replicated when there are fewer of them than workers),
+row-parallel layers split columns, vocab-parallel embeddings split vocabulary rows (their padding
+is dropped); everything else is whole on every worker.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
+from vime.weight_sync.shards import Shard
 
-def hf_named_parameters(
-    model: torch.nn.Module, materialize: bool = True
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The weights the model serves, under checkpoint (HF) names.
+
+@dataclass(frozen=True)
+class ServedTensor:
+    """One HF-named tensor as one worker serves it."""
+
+    name: str
+    tensor: torch.Tensor  # this worker's part (a meta tensor when not materialized)
+    shape: tuple[int, ...]  # the whole HF tensor's shape
+    shard: Shard | None  # None: the worker holds the whole tensor
+
+
+def served_shards(model: torch.nn.Module, materialize: bool = True) -> Iterator[ServedTensor]:
+    """The weights this worker serves, under checkpoint (HF) names, with the slice it holds.
 
     vLLM fuses some checkpoint tensors (q/k/v into qkv_proj, gate/up into gate_up_proj, per the
     model's `packed_modules_mapping`) and pads vocab rows; this splits and trims them back. With
     `materialize=False` the tensors are meta tensors (names, dtypes and shapes only, no compute).
-    Only for tensor-parallel size 1, where every worker holds whole tensors.
     """
-    from vllm.distributed import get_tensor_model_parallel_world_size
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-    tp_size = get_tensor_model_parallel_world_size()
-    if tp_size != 1:
-        raise ValueError(
-            f"HF-named weights need whole tensors; this engine has tensor-parallel size "
-            f"{tp_size}. Compare with POST /weight_checker instead."
-        )
     packed = getattr(model, "packed_modules_mapping", {}) or {}
     seen: set[int] = set()  # a tied lm_head shares the embedding's parameter: list it once
     for module_name, module in model.named_modules():
         leaf = module_name.rsplit(".", 1)[-1]
         parent = module_name[: -len(leaf)]
+        tp_rank, tp_size = getattr(module, "tp_rank", 0), getattr(module, "tp_size", 1)
         for param_name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
             seen.add(id(param))
             full_name = f"{module_name}.{param_name}" if module_name else param_name
             tensor = _served_tensor(module, param_name, param, materialize)
-            if leaf in packed and hasattr(module, "output_sizes"):
+            if isinstance(module, VocabParallelEmbedding):
+                rows = module.shard_indices
+                part = tensor[: rows.num_org_elements]
+                start, stop = rows.org_vocab_start_index, rows.org_vocab_end_index
+                yield _whole_or_shard(
+                    full_name, part, 0, start, stop, module.org_vocab_size, tp_size
+                )
+            elif isinstance(module, ColumnParallelLinear):
                 dim = getattr(param, "output_dim", 0)
-                parts = tensor.split(list(module.output_sizes), dim=dim)
-                for sub_name, part in zip(packed[leaf], parts, strict=True):
-                    yield f"{parent}{sub_name}.{param_name}", part
-            elif isinstance(module, VocabParallelEmbedding):
-                yield full_name, tensor[: module.num_embeddings]
+                if leaf in packed and hasattr(module, "output_sizes"):
+                    parts = tensor.split(list(module.output_partition_sizes), dim=dim)
+                    for index, (sub_name, part) in enumerate(zip(packed[leaf], parts, strict=True)):
+                        # k and v (parts 1, 2) repeat on num_kv_head_replicas workers each.
+                        replicas = 1
+                        if isinstance(module, QKVParallelLinear) and index > 0:
+                            replicas = module.num_kv_head_replicas
+                        size = part.shape[dim]
+                        start = (tp_rank // replicas) * size
+                        yield _whole_or_shard(
+                            f"{parent}{sub_name}.{param_name}",
+                            part,
+                            dim,
+                            start,
+                            start + size,
+                            size * tp_size // replicas,
+                            tp_size,
+                        )
+                else:
+                    size = tensor.shape[dim]
+                    yield _whole_or_shard(
+                        full_name, tensor, dim, tp_rank * size, (tp_rank + 1) * size,
+                        size * tp_size, tp_size,
+                    )  # fmt: skip
+            elif isinstance(module, RowParallelLinear) and tensor.dim() > 1:
+                dim = getattr(param, "input_dim", 1)  # the bias is whole on every worker
+                size = tensor.shape[dim]
+                yield _whole_or_shard(
+                    full_name, tensor, dim, tp_rank * size, (tp_rank + 1) * size,
+                    size * tp_size, tp_size,
+                )  # fmt: skip
             else:
-                yield full_name, tensor
+                yield ServedTensor(full_name, tensor, tuple(tensor.shape), None)
+
+
+def _whole_or_shard(
+    name: str, part: torch.Tensor, dim: int, start: int, stop: int, full_size: int, tp_size: int
+) -> ServedTensor:
+    shape = list(part.shape)
+    shape[dim] = full_size
+    shard = None if tp_size == 1 and (start, stop) == (0, full_size) else Shard(dim, start, stop)
+    return ServedTensor(name, part, tuple(shape), shard)
 
 
 def _served_tensor(

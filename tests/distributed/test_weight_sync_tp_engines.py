@@ -1,0 +1,189 @@
+"""Weight sync into vLLM engines with tensor parallelism: real TP=2 CPU engines (one core per
+worker), real megatron-core trainer ranks (TP1 and TP2) on gloo, both CPU transports.
+
+Three engines for the module (qwen2-tiny float32): G2 (TP=2, gloo), S2 (TP=2, shm) and G1
+(TP=1, gloo) for a sync into mixed engines (G1 and G2 in one broadcast group: world 1 + 1 + 2,
+G2's workers at rank offsets 2 and 3). After every sync each worker's part of every tensor must
+equal the same slice of the trainer's exported weights bit for bit (its slice read from the
+worker itself), and greedy output must equal HF transformers on those weights.
+
+    pytest -m distributed tests/distributed/test_weight_sync_tp_engines.py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from engine_token import TOKEN
+from safetensors.torch import load_file
+from weight_sync_harness import (
+    PROMPT_IDS,
+    HFReference,
+    SyncJob,
+    SyncStep,
+    assert_synced,
+    hf_greedy,
+    run_sync_job,
+)
+
+from vime.config import EngineConfig
+from vime.rollout.keeper import group_members, mapped_shm_files
+from vime.rollout.vllm_engine import VLLMEngine
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+SEED_CHECK_TOKENS = 48  # continuation tokens compared with HF after a clear_cache switch
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_builder) -> str:
+    return str(model_builder("qwen2-tiny", "float32"))
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir, tmp_path_factory):
+    """G2: TP=2 gloo, S2: TP=2 shm, G1: TP=1 gloo. Launched at once."""
+    log_dir = str(tmp_path_factory.mktemp("engine-logs"))
+    layouts = {"G2": ("gloo", 2), "S2": ("shm", 2), "G1": ("gloo", 1)}
+    engines = {
+        name: VLLMEngine(
+            EngineConfig(
+                model_path=model_dir,
+                weight_transfer_backend=backend,
+                tensor_parallel_size=tp,
+                max_model_len=2048,  # room for the long in-flight request
+                startup_timeout_s=400,
+                request_timeout_s=60,
+                auth_token=TOKEN,
+            ),
+            rank=index,
+            log_dir=log_dir,
+        )
+        for index, (name, (backend, tp)) in enumerate(layouts.items())
+    }
+    try:
+        with ThreadPoolExecutor(len(engines)) as pool:
+            list(pool.map(lambda engine: engine.init(), engines.values()))
+        yield engines
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def urls(engines) -> dict[str, str]:
+    return {name: engine.url for name, engine in engines.items()}
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir, tmp_path_factory) -> HFReference:
+    return HFReference(model_dir, tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(model_dir) -> dict:
+    return load_file(Path(model_dir) / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def trainer_tp1_run(urls, model_dir, tmp_path_factory):
+    g2, s2, mixed = (urls["G2"],), (urls["S2"],), (urls["G1"], urls["G2"])
+    steps = (
+        SyncStep("gloo", g2, version=1, inflight=True, clear_cache=True),
+        SyncStep("shm", s2, version=1),
+        SyncStep("gloo", mixed, version=2),
+    )
+    job = SyncJob(model_dir=model_dir, steps=steps)
+    return run_sync_job(job, 1, tmp_path_factory.mktemp("trainer-tp1"), timeout_s=400)
+
+
+@pytest.fixture(scope="module")
+def trainer_tp2_run(urls, model_dir, tmp_path_factory):
+    g2, s2, mixed = (urls["G2"],), (urls["S2"],), (urls["G1"], urls["G2"])
+    steps = (
+        SyncStep("gloo", g2, version=10),
+        SyncStep("shm", s2, version=10),
+        SyncStep("gloo", mixed, version=11),
+    )
+    job = SyncJob(model_dir=model_dir, tp=2, steps=steps)
+    return run_sync_job(job, 2, tmp_path_factory.mktemp("trainer-tp2"), timeout_s=400)
+
+
+@pytest.mark.parametrize("run", ["trainer_tp1_run", "trainer_tp2_run"])
+def test_tp2_engines_serve_exact_trainer_slices(request, run, hf, checkpoint):
+    records, exported = request.getfixturevalue(run)
+    for record, weights in zip(records, exported, strict=True):
+        assert_synced(record, weights, hf, checkpoint)
+        for engine in record["engines"]:
+            # The TP=2 engines' workers really hold halves: some tensors are sliced.
+            sliced = [m for m in engine["metadata"][-1] if m["shard"] is not None]
+            assert bool(sliced) == (len(engine["metadata"]) == 2), engine["url"]
+    assert [r["step"].transport for r in records] == ["gloo", "shm", "gloo"]
+    mixed = records[2]
+    assert [len(engine["metadata"]) for engine in mixed["engines"]] == [1, 2]
+    # shm: one update_weights request per bucket per engine, each loaded by both workers.
+    shm_report = records[1]["report"]
+    assert shm_report.num_buckets > 1
+
+
+def test_clear_cache_switch_on_tp2_engine_continues_like_a_fresh_model(trainer_tp1_run, hf):
+    """The seed's validation on a TP=2 engine: a keep pause mid-generation with
+    clear_cache=True, a sync, resume; the request's tokens after the switch are what the new
+    weights generate from prompt + the tokens before it."""
+    records, exported = trainer_tp1_run
+    record = records[0]
+    assert record["report"].prefix_cache_flushed is True
+    tokens = record["inflight"]["token_ids"]
+    versions = record["inflight"]["weight_versions"]
+    switch = versions.index("1")
+    assert 0 < switch < len(tokens) - SEED_CHECK_TOKENS, (switch, len(tokens))
+    assert set(versions[switch:]) == {"1"}
+    assert record["inflight"]["finish_reason"] == "length"
+    model = hf.load(exported[0])
+    expected = hf_greedy(model, [*PROMPT_IDS, *tokens[:switch]], SEED_CHECK_TOKENS)
+    assert tokens[switch : switch + SEED_CHECK_TOKENS] == expected
+
+
+def _engine_files(engine: VLLMEngine) -> tuple[set[str], str]:
+    """The /dev/shm files the engine's processes map now, and its private TMPDIR (the keeper's)."""
+    pgid = engine.server_pid()
+    assert pgid is not None
+    log = Path(engine.server_log_path()).read_text()
+    temp_dir = re.findall(rf"vime keeper {pgid}: .* TMPDIR (\S+)", log)[-1]
+    return mapped_shm_files(group_members(pgid)), temp_dir
+
+
+def test_tp2_engines_leave_nothing_stopped_or_killed(engines, trainer_tp1_run, trainer_tp2_run):
+    """A TP=2 engine's files: vLLM's message-queue segments in /dev/shm and its TP rendezvous
+    file `vllm_dist_*` in the temp directory. All gone after a normal stop, and after every
+    process of the engine but vime's keeper is SIGKILLed."""
+    stopped, killed = engines["G2"], engines["S2"]
+    files = {name: _engine_files(engines[name]) for name in ("G2", "S2")}
+    for name, (segments, temp_dir) in files.items():
+        assert segments, name
+        assert any(f.startswith("vllm_dist_") for f in os.listdir(temp_dir)), (name, temp_dir)
+
+    def left(name: str) -> list[str]:
+        segments, temp_dir = files[name]
+        return [p for p in (*segments, temp_dir) if os.path.exists(p)]
+
+    stopped.shutdown()
+    assert left("G2") == []
+
+    keeper = killed.server_pid()
+    assert keeper is not None
+    for pid in group_members(keeper):
+        if pid != keeper:
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while left("S2") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left("S2") == []
+    killed.shutdown()
+    assert group_members(keeper) == []
