@@ -1,4 +1,4 @@
-"""The `vime` command: `vime train`, `vime slurm`, `vime bench-sync`, `vime bench-loop`."""
+"""The `vime` command: train, export, slurm, bench-sync, bench-loop."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ COMMANDS = {
     "train": ("vime.train", "the RL job on one process (several: torchrun -m vime.train)"),
     "bench-sync": ("vime.bench.sync", "weight-sync phases vs the memcpy floor, disk and naive"),
     "bench-loop": ("vime.bench.loop", "step throughput of the sync vs the async RL loop"),
+    "export": ("vime.export", "a trainer checkpoint as an HF checkpoint (safetensors)"),
     "slurm": ("vime.cluster.slurm", "render (--dry-run) or submit the multi-node sbatch job"),
 }
 

@@ -42,6 +42,12 @@ from vime.config import (
     WeightSyncConfig,
     load_config,
 )
+from vime.megatron.checkpoint import (
+    CheckpointConfig,
+    TrainingState,
+    load_checkpoint,
+    save_checkpoint,
+)
 from vime.rl.loss import GRPOConfig
 from vime.rl.metrics import MetricsWriter, prefixed
 from vime.rl.rollout import RolloutConfig
@@ -71,6 +77,14 @@ class TrainConfig(StrictModel):
 
     run_dir: str = Field("runs/tiny-cpu-async", description="Where metrics, plots and logs go.")
     num_steps: int = Field(20, ge=1, description="Optimizer steps (= weight syncs).")
+    save_rollouts: bool = Field(
+        False,
+        description=(
+            "Append every step's samples (prompt and response token ids, rollout log-probs, "
+            "per-token weight versions, reward, lag) to run_dir/rollouts.jsonl, for debugging "
+            "and replay."
+        ),
+    )
     loop: Literal["async", "sync"] = Field(
         "async", description="async: one-off pipelining; sync: generate -> train -> sync."
     )
@@ -80,6 +94,7 @@ class TrainConfig(StrictModel):
     rollout: RolloutConfig = Field(description="Prompts, sampling and rewards.")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = Field(
         default_factory=ClusterConfig,
         description="Ray cluster, node addresses, engine placement, Slurm job (`vime slurm`).",
@@ -128,11 +143,6 @@ class TrainConfig(StrictModel):
             raise ValueError(
                 "engine.fault_tolerance=true restarts failed engines, which vime cannot do for "
                 "engine.external_urls: launch the engines from the job or turn it off"
-            )
-        if self.grpo.kl_coef > 0:
-            raise ValueError(
-                f"grpo.kl_coef={self.grpo.kl_coef}: the trainer keeps no reference model yet; "
-                "set grpo.kl_coef=0"
             )
         return self
 
@@ -316,6 +326,14 @@ def run(config: TrainConfig) -> dict[str, Any]:
         grpo=config.grpo,
         dp_group=dp_group,
     )
+    resumed = None
+    resume_path = config.checkpoint.resume_path(run_dir)
+    if resume_path is not None:
+        # Before any engine starts: a checkpoint that does not fit fails here, fast.
+        resumed = load_checkpoint(trainer, resume_path)
+    elif config.checkpoint.resume is True:
+        logger.info("checkpoint.resume: no complete checkpoint in %s, starting fresh",
+                    config.checkpoint.root(run_dir))  # fmt: skip
 
     if rank == 0 and not config.engine.external_urls and config.engine.auth_token is None:
         config = _with_engine_token(config, new_token())
@@ -331,7 +349,16 @@ def run(config: TrainConfig) -> dict[str, Any]:
             0 if config.engine.external_urls else engine_machines.count(socket.gethostname())
         )
         summary = _run_loop(
-            config, rank, run_dir, trainer, topology, sync_group, engines, urls, num_local_engines
+            config,
+            rank,
+            run_dir,
+            trainer,
+            topology,
+            sync_group,
+            engines,
+            urls,
+            num_local_engines,
+            resumed,
         )
         completed = True
     except Exception as exc:
@@ -356,9 +383,13 @@ def run(config: TrainConfig) -> dict[str, Any]:
 
 
 def _run_loop(
-    config, rank, run_dir, trainer, topology, sync_group, engines, urls, num_local_engines
+    config, rank, run_dir, trainer, topology, sync_group, engines, urls, num_local_engines, resumed
 ) -> dict:
-    """Attach, connect the updater, then generate/train/sync for num_steps; rank 0's summary."""
+    """Attach, connect the updater, then generate/train/sync for num_steps; rank 0's summary.
+
+    `resumed`: the TrainingState of the checkpoint the trainer was loaded from, or None. The
+    engines are then synced to those weights (as its weight version) before the first rollout,
+    and the loop continues at its next step."""
     from transformers import AutoTokenizer
 
     from vime.rl.rollout import RolloutThread
@@ -377,6 +408,18 @@ def _run_loop(
         config, engines=engines, trainer=trainer, topology=topology, sync_group=sync_group
     )
     updater.connect()
+    start_step = 0
+    if resumed is not None:
+        updater.weight_version = resumed.weight_version - 1
+        report = updater.update_weights()
+        logger.info(
+            "engines synced to the resumed weights (version %d) in %.2f s; continuing at step %d",
+            updater.weight_version,
+            report.total_s,
+            resumed.next_step,
+        )
+        start_step = resumed.next_step
+    checkpoint_root = config.checkpoint.root(run_dir)
 
     tokenizer = AutoTokenizer.from_pretrained(config.engine.model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -408,8 +451,10 @@ def _run_loop(
     summary: dict[str, Any] = {}
     job_start = time.time()
     try:
-        pending = rollouts.submit(0) if rollouts is not None and config.loop == "async" else None
-        for step in range(config.num_steps):
+        pending = None
+        if rollouts is not None and config.loop == "async" and start_step < config.num_steps:
+            pending = rollouts.submit(start_step)
+        for step in range(start_step, config.num_steps):
             batch = None
             if rollouts is not None and pending is None:
                 pending = rollouts.submit(step)
@@ -421,6 +466,8 @@ def _run_loop(
                 pending = (
                     rollouts.submit(step + 1) if config.loop == "async" and not is_last else None
                 )
+            if rank == 0 and config.save_rollouts:
+                batch.write_jsonl(run_dir / "rollouts.jsonl", updater.weight_version)
             packed = _broadcast_object(batch.pack(pad_id) if rank == 0 else None, sync_group)
             train_start = time.time()
             train_metrics = trainer.train_step(packed, weight_version=updater.weight_version)
@@ -454,6 +501,9 @@ def _run_loop(
                     report.total_s,
                     updater.weight_version,
                 )
+            if config.checkpoint.due(step + 1, config.num_steps):
+                state = TrainingState(next_step=step + 1, weight_version=updater.weight_version)
+                save_checkpoint(trainer, checkpoint_root, state, keep=config.checkpoint.keep)
     finally:
         if watchdog is not None:
             watchdog.stop()  # before the engines end on purpose

@@ -2,10 +2,12 @@
 
 Every rank calls `train_step` with the same packed batch; each data-parallel rank takes its slice,
 runs micro-batches (gradient accumulation, the loss normalised by the whole batch's token count),
-sums gradients over DP, clips and steps. Pipeline parallel training is not supported yet (PP > 1
-is rejected by TrainerConfig); weight sync itself handles PP.
+sums gradients over DP, clips and steps. With `grpo.kl_coef > 0` a frozen copy of the initial
+weights (sharded like the policy) gives each token's reference log-prob for the KL penalty.
+Pipeline parallel training is not supported yet (PP > 1 is rejected by TrainerConfig); weight
+sync itself handles PP.
 
-    trainer = MegatronTrainer(config, model_path=..., topology=topology)
+    trainer = MegatronTrainer(config, model_path=..., topology=topology, grpo=grpo)
     metrics = trainer.train_step(packed_batch)
 """
 
@@ -111,6 +113,8 @@ class MegatronTrainer:
             self.converter, topology, params_dtype=_DTYPES[config.params_dtype]
         )
         load_hf_checkpoint(self.model, model_path, converter=self.converter, topology=topology)
+        # The KL penalty's reference policy: the initial weights, sharded like the policy, frozen.
+        self.reference = self._frozen_copy(model_path) if grpo.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=config.lr,
@@ -118,6 +122,15 @@ class MegatronTrainer:
             weight_decay=config.weight_decay,
         )
         self.num_steps = 0
+
+    def _frozen_copy(self, model_path: str) -> torch.nn.Module:
+        model = build_gpt_model(
+            self.converter, self.topology, params_dtype=_DTYPES[self.config.params_dtype]
+        )
+        load_hf_checkpoint(model, model_path, converter=self.converter, topology=self.topology)
+        for param in model.parameters():
+            param.requires_grad_(False)
+        return model.eval()
 
     def _dp_slice(self, num_samples: int) -> slice:
         """This DP rank's samples: whole groups never split (advantages are per group)."""
@@ -164,6 +177,12 @@ class MegatronTrainer:
             train_logprobs = token_logprobs(
                 self.model, input_ids[start:end], vocab_size=self.vocab_size
             )
+            ref_logprobs = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_logprobs = token_logprobs(
+                        self.reference, input_ids[start:end], vocab_size=self.vocab_size
+                    )
             loss, metrics = grpo_loss(
                 train_logprobs,
                 rollout_logprobs[start:end],
@@ -173,6 +192,7 @@ class MegatronTrainer:
                 # One update per batch: the policy before it is the one being trained, so truncated
                 # IS weighs exp(old - rollout) with old = the current log-probs, detached.
                 old_logprobs=train_logprobs.detach() if self.grpo.tis_cap is not None else None,
+                ref_logprobs=ref_logprobs,
                 num_batch_tokens=num_batch_tokens,
             )
             loss.backward()

@@ -102,8 +102,8 @@ def test_async_job_syncs_every_step_and_overlaps(tmp_path, tiny_model_dir):
     assert list(run_dir.glob("events.out.tfevents.*")) or list(run_dir.rglob("events.out.*"))
 
 
-def test_sync_loop_over_gloo_runs(tmp_path, tiny_model_dir):
-    _, rows = run_job(
+def test_sync_loop_over_gloo_runs_with_kl_and_saves_rollouts(tmp_path, tiny_model_dir):
+    run_dir, rows = run_job(
         "tiny_cpu_async_gloo.yaml",
         tmp_path,
         tiny_model_dir,
@@ -111,6 +111,8 @@ def test_sync_loop_over_gloo_runs(tmp_path, tiny_model_dir):
         "loop=sync",
         "rollout.num_prompts_per_step=2",
         "rollout.num_samples_per_prompt=4",
+        "grpo.kl_coef=0.05",
+        "save_rollouts=true",
     )
     metrics = rows
     assert [m["sync/weight_version"] for m in metrics] == [1, 2]
@@ -118,6 +120,14 @@ def test_sync_loop_over_gloo_runs(tmp_path, tiny_model_dir):
     assert metrics[1]["time/gen_start"] >= metrics[0]["time/train_end"]
     # With the sync loop every token comes from the trainer's current weights.
     assert all(m["staleness/lag_max"] == 0 for m in metrics)
+    # The reference is the initial policy: no KL before the first update, some after it.
+    assert metrics[0]["train/kl_ref"] == 0.0 and metrics[1]["train/kl_ref"] > 0.0
+    samples = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [0] * 8 + [1] * 8
+    for sample in samples:
+        assert len(sample["response_token_ids"]) == len(sample["rollout_logprobs"]) > 0
+        assert set(sample["weight_versions"]) == {sample["step"]} and sample["lag"] == 0
+        assert isinstance(sample["reward"], float)
 
 
 def test_malformed_config_fails_fast_naming_the_field(tmp_path):
@@ -179,15 +189,17 @@ def _is_alive(pid: int) -> bool:
         return False
 
 
-def test_external_engine_on_another_node_syncs_over_gloo(tmp_path, tiny_model_dir):
+def test_external_tp2_engine_on_another_node_syncs_over_gloo(tmp_path, tiny_model_dir):
     """engine.external_urls on another node: the trainer's node is 127.0.0.2, the engine (started
-    here, as someone else's server would be) 127.0.0.3; the weight-sync group joins across."""
+    here, as someone else's server would be) 127.0.0.3, with tensor parallelism 2; the job reads
+    its two workers from the server and the weight-sync group (1 + 2 ranks) joins across."""
     from vime.config import EngineConfig
     from vime.rollout.server import launch_server
 
     engine = EngineConfig(
         model_path=str(tiny_model_dir),
         weight_transfer_backend="gloo",
+        tensor_parallel_size=2,
         max_model_len=256,
         max_num_seqs=128,
     )

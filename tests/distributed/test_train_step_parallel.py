@@ -4,7 +4,8 @@ Every layout trains the same tiny Qwen2 on the same packed batch (fixed token id
 rollout log-probs) for two AdamW steps: TP2 (vocab-parallel log-probs, the TP all-reduce of the
 clipping norm), DP2 (each rank its half of the groups, gradients summed over DP, the loss
 normalised by the whole batch's tokens), and the one-rank reference with micro-batches of the
-same size. The loss and gradient norm of both steps and the first step's clipped gradients
+same size; a KL penalty (k3) to the frozen reference model is part of the loss. The loss and
+gradient norm of both steps and the first step's clipped gradients
 (gathered back to HF names) must match the reference within float32 tolerance. The parameters
 after both steps get a looser bound: AdamW's first steps move each element by about lr whatever
 its gradient's size, so an element whose gradient is float noise may move either way (measured:
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.distributed
 GROUPS, GROUP_SIZE, SEQ = 4, 4, 12  # 16 samples: 2 groups per rank at DP2
 STEPS = 2
 LR = 1e-2
+KL_COEF = 0.5
 
 
 def _batch():
@@ -57,8 +59,11 @@ def _worker(rank: int, world_size: int, port: int, tp: int, model_dir: str, out_
     dp_group = parallel_state.get_data_parallel_group() if topology.dp_size > 1 else None
     # grad_clip small enough that clipping acts: the TP-summed norm decides the factor.
     config = TrainerConfig(tensor_parallel_size=tp, lr=LR, micro_batch_size=4, grad_clip=0.5)
+    # With a KL penalty to the frozen reference (sharded like the policy): 0 at the first step,
+    # part of the loss and gradients at the second.
+    grpo = GRPOConfig(kl_coef=KL_COEF)
     trainer = MegatronTrainer(
-        config, model_path=model_dir, topology=topology, grpo=GRPOConfig(), dp_group=dp_group
+        config, model_path=model_dir, topology=topology, grpo=grpo, dp_group=dp_group
     )
 
     def gathered() -> dict[str, torch.Tensor]:
@@ -117,6 +122,12 @@ def test_two_ranks_train_like_one(reference, tiny_model_dir, tmp_path, layout, t
             # grad_norm is global: after the DP sum, and summed over TP before clipping.
             assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
     assert reference["metrics"][0]["grad_norm"] > 0.5  # clipping acted
+    # The reference is the initial weights: no KL before the first update, some after it.
+    assert reference["metrics"][0]["kl_ref"] == 0.0
+    assert reference["metrics"][1]["kl_ref"] > 1e-6
+    if tp == 2:
+        kl = ranks[0]["metrics"][1]["kl_ref"]
+        assert kl == pytest.approx(reference["metrics"][1]["kl_ref"], rel=1e-3)
     # Rank 0 is the pp sender: it holds the gathered model.
     grads, weights = ranks[0]["grads"], ranks[0]["weights"]
     assert grads.keys() == weights.keys() == reference["weights"].keys()

@@ -42,9 +42,11 @@ def test_transport_override_switches_the_engines_backend():
     assert config.engine.weight_transfer_backend == "gloo"
 
 
-def test_reference_kl_is_rejected_until_supported():
-    with pytest.raises(ValueError, match="grpo.kl_coef"):
-        load_config(TrainConfig, CONFIGS[0], ["grpo.kl_coef=0.1"])
+def test_reference_kl_is_configured_not_rejected():
+    config = load_config(TrainConfig, CONFIGS[0], ["grpo.kl_coef=0.1", "grpo.kl_estimator=k1"])
+    assert (config.grpo.kl_coef, config.grpo.kl_estimator) == (0.1, "k1")
+    with pytest.raises(ValueError, match="kl_estimator"):
+        load_config(TrainConfig, CONFIGS[0], ["grpo.kl_estimator=k2"])
 
 
 def test_trainer_cpu_cores_auto_takes_the_core_vllm_leaves_free(monkeypatch):

@@ -136,6 +136,32 @@ def test_kl_to_reference_k3():
     assert train.grad[0, 0] > 0  # kl pulls train log-prob down towards the reference's
 
 
+def test_kl_to_reference_k1_and_estimators_agree_on_average():
+    train = torch.zeros(1, 2, requires_grad=True)
+    ref = torch.tensor([[math.log(0.5), 0.0]])
+    config = GRPOConfig(kl_coef=0.1, kl_estimator="k1")
+    loss, metrics = grpo_loss(
+        train, torch.zeros(1, 2), torch.tensor([0.0]), torch.ones(1, 2), config=config,
+        ref_logprobs=ref,
+    )  # fmt: skip
+    k1 = (0.0 - math.log(0.5)) / 2
+    assert metrics["kl_ref"] == pytest.approx(k1, rel=1e-5)
+    assert loss.item() == pytest.approx(0.1 * k1, rel=1e-5)
+    loss.backward()
+    assert train.grad[0].tolist() == pytest.approx([0.05, 0.05])  # d(k1)/d(train) = 1, per token
+    # Tokens sampled from p: both estimate KL(p || q) (p, q: random distributions over 8 tokens).
+    from vime.rl.loss import kl_estimate
+
+    generator = torch.Generator().manual_seed(0)
+    logits_p, logits_q = torch.randn(8, generator=generator), torch.randn(8, generator=generator)
+    log_p, log_q = logits_p.log_softmax(0), logits_q.log_softmax(0)
+    exact = float((log_p.exp() * (log_p - log_q)).sum())
+    tokens = torch.multinomial(log_p.exp(), 200_000, replacement=True, generator=generator)
+    for estimator in ("k1", "k3"):
+        estimate = kl_estimate(log_p[tokens], log_q[tokens], estimator).mean()
+        assert float(estimate) == pytest.approx(exact, rel=0.05), estimator
+
+
 def test_shape_and_config_errors():
     x = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="shapes differ"):

@@ -10,6 +10,8 @@ tokens, with `mask` 1 on real response tokens and 0 on padding.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from pydantic import Field
 
@@ -22,7 +24,20 @@ class GRPOConfig(StrictModel):
     clip_low: float = Field(0.2, ge=0, description="PPO clip: ratio is kept >= 1 - clip_low.")
     clip_high: float = Field(0.2, ge=0, description="PPO clip: ratio is kept <= 1 + clip_high.")
     kl_coef: float = Field(
-        0.0, ge=0, description="Weight of the k3 KL estimate to the reference policy; 0 disables."
+        0.0,
+        ge=0,
+        description=(
+            "Weight of the KL penalty to the reference policy (the initial weights, kept frozen "
+            "by the trainer); 0 disables it and builds no reference model."
+        ),
+    )
+    kl_estimator: Literal["k1", "k3"] = Field(
+        "k3",
+        description=(
+            "Per-token KL estimate on the sampled tokens, with d = ref - train log-prob: k1 = -d "
+            "(the log ratio; unbiased, high variance, can be negative), k3 = exp(d) - d - 1 "
+            "(unbiased, non-negative, lower variance; Schulman's estimator)."
+        ),
     )
     tis_cap: float | None = Field(
         None,
@@ -44,6 +59,18 @@ class GRPOConfig(StrictModel):
             "then over sequences (False)."
         ),
     )
+
+
+def kl_estimate(
+    train_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str
+) -> torch.Tensor:
+    """Per-token estimate of KL(train || ref) from the sampled tokens' log-probs."""
+    diff = ref_logprobs - train_logprobs
+    if estimator == "k1":
+        return -diff
+    if estimator == "k3":
+        return torch.exp(diff) - diff - 1
+    raise ValueError(f"kl_estimator {estimator!r}: choose k1 or k3")
 
 
 def group_advantages(
@@ -102,7 +129,8 @@ def grpo_loss(
     Per token: ratio = exp(train - old); objective = min(ratio * A, clip(ratio) * A);
     with tis_cap (needs old_logprobs) the objective is weighted by min(exp(old - rollout), tis_cap),
     the truncated importance weight of the trainer's old policy over the engine's sampling policy;
-    with kl_coef the k3 estimate exp(ref - train) - (ref - train) - 1 is added (times kl_coef).
+    with kl_coef the KL estimate `config.kl_estimator` (k1: train - ref; k3: exp(ref - train) -
+    (ref - train) - 1) is added, times kl_coef; metric `kl_ref` is its token mean.
     For one update per batch pass old_logprobs=train_logprobs.detach(): the ratio is then 1 and
     staleness is corrected by the TIS weight alone.
     """
@@ -150,11 +178,9 @@ def grpo_loss(
     if config.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError(f"kl_coef={config.kl_coef} needs ref_logprobs (reference log-probs)")
-        ref_diff = ref_logprobs.to(dtype) - train_logprobs
-        kl = torch.exp(ref_diff) - ref_diff - 1
-        kl_mean = _masked_mean(kl, mask, token_level, num_batch_tokens)
-        loss = loss + config.kl_coef * kl_mean
-        metrics["kl_ref"] = kl_mean.item()
+        kl = kl_estimate(train_logprobs, ref_logprobs.to(dtype), config.kl_estimator)
+        loss = loss + config.kl_coef * _masked_mean(kl, mask, token_level, num_batch_tokens)
+        metrics["kl_ref"] = _masked_mean(kl.detach(), mask, True).item()
 
     with torch.no_grad():
         log_diff = train_logprobs - rollout_logprobs

@@ -21,13 +21,15 @@ REWARD_KEY = "rollout/reward_mean"
 SYNC_TIME_KEY = "sync/time_s"
 LAG_KEY = "staleness/lag_mean"
 LOGPROB_DIFF_KEY = "train/logprob_diff"
+KL_REF_KEY = "train/kl_ref"
 
 # (panel title, keys drawn in it)
 PLOT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward", (REWARD_KEY,)),
     ("weight sync time (s)", (SYNC_TIME_KEY,)),
     ("staleness (versions)", (LAG_KEY, "staleness/lag_max", "staleness/version_span_mean")),
-    ("log-prob diff |train - rollout|", (LOGPROB_DIFF_KEY,)),
+    # |train - rollout|: the online check that sync is exact; KL to the reference (kl_coef > 0).
+    ("policy drift", (LOGPROB_DIFF_KEY, KL_REF_KEY)),
 )
 
 
@@ -45,8 +47,17 @@ class MetricsWriter:
         self.jsonl_path = self.run_dir / "metrics.jsonl"
         self.plot_path = self.run_dir / "metrics.png"
         self.summary_path = self.run_dir / "summary.txt"
+        # A resumed job appends to the rows its earlier run wrote; the plot shows them all.
         self.history: list[dict[str, float]] = []
+        if self.jsonl_path.exists():
+            for line in self.jsonl_path.read_text().splitlines():
+                try:
+                    self.history.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass  # the last line of a killed run, cut short
         self._jsonl = self.jsonl_path.open("a")
+        if self._jsonl.tell() and not self.jsonl_path.read_bytes().endswith(b"\n"):
+            self._jsonl.write("\n")  # end the cut line: the next row starts on its own
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

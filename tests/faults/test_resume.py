@@ -1,0 +1,88 @@
+"""A job SIGKILLed after a checkpoint resumes from it: the main job's config, real torchrun,
+trainer rank, Ray and vLLM CPU engine.
+
+The first run saves a checkpoint every 2 steps and is killed (torchrun SIGKILL) once the one after
+step 2 is complete. The second run, `checkpoint.resume=true` in the same run_dir, loads it before
+any engine starts, syncs the fresh engine to the resumed weights (as the checkpoint's weight
+version) before its first rollout, and continues at step 2: its metrics carry on from there and
+every token of its first batch comes from the resumed weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from job_harness import REPO_ROOT, BackgroundJob, wait_for
+
+from vime.utils.net import free_port
+
+pytestmark = pytest.mark.faults
+
+
+def _rows_after(path, count: int) -> list[dict]:
+    """The JSON lines of `path` after its first `count` lines (those of the killed run)."""
+    return [json.loads(line) for line in path.read_text().splitlines()[count:]]
+
+
+def test_killed_job_resumes_from_its_checkpoint(tmp_path, tiny_model_dir):
+    checkpoints = tmp_path / "run" / "checkpoints"
+    common = ["checkpoint.every_steps=2", "save_rollouts=true", "weight_sync.verify_checksums=true"]
+    job = BackgroundJob(tmp_path, tiny_model_dir, *common)
+    try:
+        job.wait_running()
+        wait_for(lambda: (checkpoints / "step_2" / "metadata.json").is_file(), 300, "checkpoint")
+        os.kill(job.process.pid, signal.SIGKILL)
+        job.wait_all_gone(12)
+    finally:
+        job.stop()
+    first_rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    first_samples = (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        "-m", "vime.train", "--config", str(REPO_ROOT / "configs" / "tiny_cpu_async.yaml"),
+        f"run_dir={tmp_path / 'run'}", f"engine.model_path={tiny_model_dir}", "model.preset=null",
+        "num_steps=4", "rollout.num_prompts_per_step=4", "rollout.num_samples_per_prompt=4",
+        "rollout.max_tokens=64", *common, "checkpoint.resume=true",
+    ]  # fmt: skip
+    resumed = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    assert "resumed from" in resumed.stderr and "step_2" in resumed.stderr
+
+    rows = _rows_after(tmp_path / "run" / "metrics.jsonl", len(first_rows))
+    assert [r["step"] for r in rows] == [2, 3]
+    # The checkpoint after step 2 holds weight version 2; the resumed syncs make 3 and 4.
+    assert [r["sync/weight_version"] for r in rows] == [3, 4]
+    assert all(r["sync/verified"] == 1.0 for r in rows)
+    samples = _rows_after(tmp_path / "run" / "rollouts.jsonl", len(first_samples))
+    assert [s["step"] for s in samples] == [2] * 16 + [3] * 16
+    # The engine served the resumed weights (version 2) before the first rollout.
+    assert {v for s in samples if s["step"] == 2 for v in s["weight_versions"]} == {2}
+    # The newest two complete checkpoints are kept: step_2 and the one at the end, step_4.
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_2", "step_4"]
+
+    # `vime export`: the final checkpoint as an HF checkpoint transformers loads; its tensors are
+    # the trainer's last weights (the same sum of |w| as the job's last fingerprint; the HF names
+    # and fused layouts only reorder elements).
+    out = tmp_path / "exported"
+    export = [sys.executable, "-m", "vime.cli", "export", str(tmp_path / "run"), str(out)]
+    done = subprocess.run(export, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "step_4" in done.stdout and "weight version 4" in done.stdout
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    tensors = load_file(out / "model.safetensors")
+    total = sum(float(t.double().abs().sum()) for t in tensors.values())
+    assert total == pytest.approx(rows[-1]["train/param_fingerprint"], rel=1e-9)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    prompt = torch.tensor([[5, 17, 42, 7]])
+    generated = model.generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert generated.shape == (1, 8)

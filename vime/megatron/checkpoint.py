@@ -1,0 +1,176 @@
+"""Trainer checkpoints with megatron-core's distributed checkpointing.
+
+One checkpoint is a directory `<checkpoint_dir>/step_<K>` written by all trainer ranks together
+(`megatron.core.dist_checkpointing`, torch_dist format): the model's sharded state dict, the AdamW
+state sharded like the parameters it belongs to, and a common part (`TrainingState`: the next step
+to run, the weight version the engines were synced to; torch's RNG state).
+
+A checkpoint is complete once megatron has written its `metadata.json`, last; `latest_checkpoint`
+ignores directories without one (a job killed mid-save). Tensors are saved under global keys and
+offsets, so another TP layout can read them; only resuming in the same layout is tested.
+
+    save_checkpoint(trainer, root, TrainingState(next_step=K, weight_version=V))
+    state = load_checkpoint(trainer, latest_checkpoint(root))
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import Field
+
+from vime.config import StrictModel
+
+logger = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"step_(\d+)$")
+
+
+class CheckpointConfig(StrictModel):
+    """When the trainer saves checkpoints, where, and whether the job resumes from one."""
+
+    every_steps: int | None = Field(
+        None, ge=1, description="Save after every N-th step; None: only at the end (at_end)."
+    )
+    at_end: bool = Field(True, description="Save after the last step.")
+    dir: str | None = Field(None, description="Where checkpoints go; None: run_dir/checkpoints.")
+    keep: int = Field(2, ge=1, description="Complete checkpoints kept (the newest).")
+    resume: bool | str = Field(
+        False,
+        description=(
+            "true: continue from the newest complete checkpoint in `dir` (none there: start "
+            "fresh); a path: from that checkpoint (it must exist). The engines are synced to the "
+            "resumed weights before the first rollout."
+        ),
+    )
+
+    def root(self, run_dir: str | Path) -> Path:
+        return Path(self.dir) if self.dir else Path(run_dir) / "checkpoints"
+
+    def due(self, next_step: int, num_steps: int) -> bool:
+        """Whether to save once `next_step` steps are done."""
+        periodic = self.every_steps is not None and next_step % self.every_steps == 0
+        return periodic or (self.at_end and next_step == num_steps)
+
+    def resume_path(self, run_dir: str | Path) -> Path | None:
+        """The checkpoint to resume from, or None; ValueError for a path that is no checkpoint."""
+        if self.resume is False:
+            return None
+        if self.resume is True:
+            return latest_checkpoint(self.root(run_dir))
+        path = Path(self.resume)
+        if not (path / "metadata.json").is_file():
+            raise ValueError(
+                f"checkpoint.resume={self.resume!r} is not a complete checkpoint (no "
+                "metadata.json there): give a step_<K> directory, or true for the newest"
+            )
+        return path
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """What a resumed job needs besides the tensors; the data position is `next_step` (a step's
+    prompts depend only on its index and rollout.shuffle_seed)."""
+
+    next_step: int
+    weight_version: int
+
+
+def _sharded_state(trainer: Any, with_optimizer: bool = True) -> dict[str, Any]:
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
+    )
+
+    model_state = trainer.model.sharded_state_dict()
+    if not with_optimizer:
+        return {"model": model_state}
+    optimizer = trainer.optimizer
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    _ensure_optimizer_state(optimizer)
+    optim_state = optimizer.state_dict()
+    # AdamW's per-parameter "step" is a scalar: kept apart (trainer.num_steps), not sharded.
+    optim_state_to_sharding_state(
+        optim_state, get_param_id_to_sharded_param_map(model_state, params), exclude_keys=("step",)
+    )
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """AdamW state for every parameter (zeros before its first step), so that a checkpoint taken
+    or loaded before any step has the same tensors as a later one."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state[param]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def save_checkpoint(trainer: Any, root: str | Path, state: TrainingState, keep: int = 2) -> Path:
+    """Write step_<next_step> under `root` on every rank (collective); keep the newest `keep`."""
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    path = root / f"step_{state.next_step}"
+    if dist.get_rank() == 0:
+        if path.exists():
+            shutil.rmtree(path)  # an incomplete one from a killed save
+        path.mkdir(parents=True)
+    dist.barrier()
+    sharded = _sharded_state(trainer)
+    sharded["training_state"] = asdict(state)
+    sharded["rng_state"] = torch.get_rng_state()
+    dist_checkpointing.save(sharded, str(path))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for old in complete_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    logger.info("saved checkpoint %s (weight version %d)", path, state.weight_version)
+    return path
+
+
+def load_checkpoint(trainer: Any, path: str | Path, with_optimizer: bool = True) -> TrainingState:
+    """Load `path` into the trainer's model (and optimizer) on every rank (collective)."""
+    from megatron.core import dist_checkpointing
+
+    template = _sharded_state(trainer, with_optimizer)
+    loaded = dist_checkpointing.load(template, str(path))
+    trainer.model.load_state_dict(loaded["model"])
+    state = TrainingState(**loaded["training_state"])
+    if not with_optimizer:
+        return state
+    optim_state = loaded["optimizer"]
+    for param_state in optim_state["state"].values():
+        param_state["step"] = torch.tensor(float(state.next_step))
+    trainer.optimizer.load_state_dict(optim_state)
+    trainer.num_steps = state.next_step
+    torch.set_rng_state(loaded["rng_state"])
+    logger.info("resumed from %s: next step %d, weight version %d", path, *asdict(state).values())
+    return state
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """Checkpoints under `root` that were completely written, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and (child / "metadata.json").is_file():
+            found.append((int(match.group(1)), child))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    complete = complete_checkpoints(root)
+    return complete[-1] if complete else None
