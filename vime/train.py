@@ -48,6 +48,7 @@ from vime.megatron.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from vime.rl.evaluate import EvalConfig, eval_metrics
 from vime.rl.loss import GRPOConfig
 from vime.rl.metrics import MetricsWriter, prefixed
 from vime.rl.rollout import RolloutConfig
@@ -95,6 +96,9 @@ class TrainConfig(StrictModel):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(
+        default_factory=EvalConfig, description="Held-out evaluation before and after training."
+    )
     cluster: ClusterConfig = Field(
         default_factory=ClusterConfig,
         description="Ray cluster, node addresses, engine placement, Slurm job (`vime slurm`).",
@@ -449,8 +453,22 @@ def _run_loop(
             recovery.watchdog = watchdog
     recover = _Recover(updater, recovery, sync_group, config.engine.progress_timeout_s)
     summary: dict[str, Any] = {}
+    evaluations: dict[str, dict[str, float]] = {}
+
+    def evaluate(when: str, step: int) -> None:
+        """Rank 0: greedy pass@1 on the held-out prompts through the engines, as they are now."""
+        if rollouts is None or writer is None or config.eval.prompts_path is None:
+            return
+        future = rollouts.evaluate(config.eval.rollout_config(config.rollout))
+        scores = eval_metrics(future.result(timeout=2 * config.engine.request_timeout_s))
+        scores["eval/weight_version"] = float(updater.weight_version)
+        writer.log_eval(step, scores)
+        evaluations[when] = scores
+        logger.info("held-out eval %s step %d: pass@1 %.3f", when, step, scores["eval/pass_at_1"])
+
     job_start = time.time()
     try:
+        evaluate("before", start_step)
         pending = None
         if rollouts is not None and config.loop == "async" and start_step < config.num_steps:
             pending = rollouts.submit(start_step)
@@ -504,6 +522,7 @@ def _run_loop(
             if config.checkpoint.due(step + 1, config.num_steps):
                 state = TrainingState(next_step=step + 1, weight_version=updater.weight_version)
                 save_checkpoint(trainer, checkpoint_root, state, keep=config.checkpoint.keep)
+        evaluate("after", config.num_steps)
     finally:
         if watchdog is not None:
             watchdog.stop()  # before the engines end on purpose
@@ -520,6 +539,7 @@ def _run_loop(
                     else {}
                 ),
                 "run_dir": str(run_dir),
+                **({"eval": evaluations} if evaluations else {}),
                 # Where rank 0 ran (engines.json says where each engine ran).
                 "trainer_node": os.environ.get("SLURMD_NODENAME", socket.gethostname()),
                 "trainer_address": os.environ[HOST_IP_ENV],

@@ -100,6 +100,16 @@ def test_async_job_syncs_every_step_and_overlaps(tmp_path, tiny_model_dir):
     for name in ("metrics.png", "summary.txt", "config.resolved.json", "summary.json"):
         assert (run_dir / name).exists(), name
     assert list(run_dir.glob("events.out.tfevents.*")) or list(run_dir.rglob("events.out.*"))
+    # Held-out evaluation (the main config's eval.prompts_path): greedy, every test prompt once,
+    # before the first rollout (version 0) and after the last sync.
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["eval/weight_version"]) for e in evals] == [(0, 0), (4, 4)]
+    assert all(e["eval/num_prompts"] == 100 and 0 <= e["eval/pass_at_1"] <= 1 for e in evals)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval"]["after"]["eval/pass_at_1"] == evals[1]["eval/pass_at_1"]
+    assert "held-out greedy pass@1" in (run_dir / "summary.txt").read_text()
+    # The final checkpoint (checkpoint.at_end) is complete.
+    assert (run_dir / "checkpoints" / f"step_{num_steps}" / "metadata.json").is_file()
 
 
 def test_sync_loop_over_gloo_runs_with_kl_and_saves_rollouts(tmp_path, tiny_model_dir):

@@ -59,3 +59,52 @@ def test_plot_with_missing_panels_and_bad_values(tmp_path):
     assert (tmp_path / "metrics.png").exists()
     assert (tmp_path / "summary.txt").read_text().startswith("steps logged: 1")
     assert not (tmp_path / "tb").exists()
+
+
+def test_held_out_evaluations_are_kept_apart_plotted_and_summarised(tmp_path):
+    with MetricsWriter(tmp_path, tensorboard=False) as writer:
+        writer.log_eval(0, {"eval/pass_at_1": 0.25, "eval/num_prompts": 4})
+        writer.log(0, {"rollout/reward_mean": 0.5})
+        writer.log_eval(1, {"eval/pass_at_1": 0.75, "eval/num_prompts": 4})
+        assert writer.series("eval/pass_at_1") == ([0, 1], [0.25, 0.75])
+    # Per-step rows stay one per step; evaluations go to eval.jsonl.
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+    assert len((tmp_path / "eval.jsonl").read_text().splitlines()) == 2
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "held-out greedy pass@1: 0.250 before step 0, 0.750 before step 1" in summary
+    # A resumed job's writer reads both back (a killed run's cut last line is dropped).
+    with (tmp_path / "metrics.jsonl").open("a") as out:
+        out.write('{"step": 1, "rollout/rew')
+    resumed = MetricsWriter(tmp_path, tensorboard=False)
+    resumed.log(1, {"rollout/reward_mean": 0.6})
+    resumed.close()
+    assert resumed.series("rollout/reward_mean") == ([0, 1], [0.5, 0.6])
+    assert resumed.series("eval/pass_at_1")[1] == [0.25, 0.75]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["rollout/reward_mean"] == 0.6
+
+
+def test_eval_config_is_one_greedy_pass_over_every_prompt():
+    from vime.rl.evaluate import EvalConfig
+    from vime.rl.rollout import RolloutConfig
+
+    rollout = RolloutConfig(num_samples_per_prompt=8, temperature=1.0, max_tokens=8)
+    config = EvalConfig(prompts_path="vime/data/target_digit/test.jsonl").rollout_config(rollout)
+    assert (config.num_prompts_per_step, config.num_samples_per_prompt) == (100, 1)
+    assert (config.temperature, config.max_tokens) == (0.0, 8)
+
+
+def test_checkpoint_schedule_and_resume_path(tmp_path):
+    from vime.megatron.checkpoint import CheckpointConfig
+
+    every = CheckpointConfig(every_steps=2, at_end=False)
+    assert [n for n in range(1, 6) if every.due(n, 5)] == [2, 4]
+    assert [n for n in range(1, 6) if CheckpointConfig().due(n, 5)] == [5]
+    root = tmp_path / "checkpoints"
+    (root / "step_2").mkdir(parents=True)
+    (root / "step_2" / "metadata.json").write_text("{}")
+    (root / "step_4").mkdir()  # killed mid-save: no metadata.json
+    assert CheckpointConfig(resume=True).resume_path(tmp_path) == root / "step_2"
+    assert CheckpointConfig().resume_path(tmp_path) is None
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        CheckpointConfig(resume=str(root / "step_4")).resume_path(tmp_path)

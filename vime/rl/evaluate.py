@@ -1,4 +1,8 @@
-"""Score a checkpoint on a prompt set by sampling it with vLLM: mean reward and a few completions.
+"""Held-out evaluation: score a policy on a prompt set by sampling it with vLLM.
+
+In the RL job (`eval.prompts_path`): greedy pass@1 on every held-out prompt through the job's own
+engines, before the first rollout and after the last sync (`EvalConfig`, `eval_metrics`). As a
+command, a checkpoint on its own: mean reward and a few completions.
 
     python -m vime.rl.evaluate --model models/test-cache/qwen2-tiny-float32-0
     python -m vime.rl.evaluate --model DIR --url http://127.0.0.1:8000 --samples 8
@@ -14,12 +18,53 @@ import json
 import logging
 import math
 
-from vime.config import EngineConfig
+from pydantic import Field
+
+from vime.config import EngineConfig, StrictModel
 from vime.rl.data import DIGIT_REPEAT_TEST, load_prompts
 from vime.rl.rollout import RolloutConfig, RolloutManager
 from vime.rl.samples import RolloutBatch
 from vime.rollout.generation import GenerationClient
 from vime.rollout.vllm_engine import VLLMEngine
+
+
+class EvalConfig(StrictModel):
+    """Held-out evaluation in the RL job: greedy, one sample per prompt, the rollout's reward."""
+
+    prompts_path: str | None = Field(
+        None,
+        description=(
+            "JSONL of held-out prompts (e.g. the task's test.jsonl); None: no evaluation. Run "
+            "before the first rollout and after the last sync, through the job's engines."
+        ),
+    )
+    max_tokens: int | None = Field(None, ge=1, description="None: rollout.max_tokens.")
+
+    def rollout_config(self, rollout: RolloutConfig) -> RolloutConfig:
+        """The rollout settings for one greedy pass over every held-out prompt."""
+        assert self.prompts_path is not None
+        return rollout.model_copy(
+            update={
+                "prompts_path": self.prompts_path,
+                "num_prompts_per_step": len(load_prompts(self.prompts_path)),
+                "num_samples_per_prompt": 1,
+                "temperature": 0.0,
+                "top_p": 1.0,
+                "top_k": -1,
+                "max_tokens": self.max_tokens or rollout.max_tokens,
+                "shuffle_seed": 0,
+            }
+        )
+
+
+def eval_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """pass@1 (share of prompts whose greedy completion scores >= 1) and the mean reward."""
+    rewards = batch.rewards
+    return {
+        "eval/pass_at_1": sum(r >= 1.0 for r in rewards) / len(rewards),
+        "eval/reward_mean": sum(rewards) / len(rewards),
+        "eval/num_prompts": float(len(rewards)),
+    }
 
 
 async def evaluate(

@@ -22,10 +22,11 @@ SYNC_TIME_KEY = "sync/time_s"
 LAG_KEY = "staleness/lag_mean"
 LOGPROB_DIFF_KEY = "train/logprob_diff"
 KL_REF_KEY = "train/kl_ref"
+EVAL_KEY = "eval/pass_at_1"
 
 # (panel title, keys drawn in it)
 PLOT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("reward", (REWARD_KEY,)),
+    ("reward (rollouts); held-out greedy pass@1", (REWARD_KEY, EVAL_KEY)),
     ("weight sync time (s)", (SYNC_TIME_KEY,)),
     ("staleness (versions)", (LAG_KEY, "staleness/lag_max", "staleness/version_span_mean")),
     # |train - rollout|: the online check that sync is exact; KL to the reference (kl_coef > 0).
@@ -55,6 +56,11 @@ class MetricsWriter:
                     self.history.append(json.loads(line))
                 except json.JSONDecodeError:
                     pass  # the last line of a killed run, cut short
+        # Held-out evaluations (eval.jsonl): a few rows, apart from the per-step metrics.
+        self.eval_path = self.run_dir / "eval.jsonl"
+        self.eval_history: list[dict[str, float]] = []
+        if self.eval_path.exists():
+            self.eval_history = [json.loads(x) for x in self.eval_path.read_text().splitlines()]
         self._jsonl = self.jsonl_path.open("a")
         if self._jsonl.tell() and not self.jsonl_path.read_bytes().endswith(b"\n"):
             self._jsonl.write("\n")  # end the cut line: the next row starts on its own
@@ -76,11 +82,21 @@ class MetricsWriter:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, value, step)
 
+    def log_eval(self, step: int, metrics: Mapping[str, float]) -> None:
+        """One held-out evaluation, taken before `step` runs (after the last step: num_steps)."""
+        row = {"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}
+        self.eval_history.append(row)
+        with self.eval_path.open("a") as out:
+            out.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for key, value in metrics.items():
+                self._tb.add_scalar(key, value, step)
+
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of one key, skipping steps that did not log it or logged NaN."""
         points = [
             (int(row["step"]), row[key])
-            for row in self.history
+            for row in [*self.history, *self.eval_history]
             if key in row and not math.isnan(row[key])
         ]
         return [s for s, _ in points], [v for _, v in points]
@@ -126,6 +142,11 @@ class MetricsWriter:
                 f"reward: {first:.3f} -> {last:.3f} (mean of first/last {window} steps), "
                 f"best {max(rewards):.3f}"
             )
+        steps, scores = self.series(EVAL_KEY)
+        if scores:
+            pairs = zip(steps, scores, strict=True)
+            points = ", ".join(f"{score:.3f} before step {step}" for step, score in pairs)
+            lines.append(f"held-out greedy pass@1: {points}")
         for label, key in (
             ("weight sync time (s)", SYNC_TIME_KEY),
             ("staleness lag (versions)", LAG_KEY),

@@ -256,6 +256,19 @@ class RolloutThread:
         future.add_done_callback(self._pending.discard)
         return future
 
+    def evaluate(self, config: RolloutConfig) -> concurrent.futures.Future[RolloutBatch]:
+        """Every prompt of `config` once (its own prompts, sampling and reward), on this thread's
+        loop and client: a held-out evaluation between steps."""
+
+        async def run() -> RolloutBatch:
+            manager = RolloutManager(config, client=self.client, tokenizer=self.manager.tokenizer)
+            return await manager.generate_batch(step=0)
+
+        future = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+        return future
+
     def close(self) -> None:
         if not self._thread.is_alive():
             return
