@@ -11,7 +11,6 @@ weights bit for bit and greedy output must equal HF transformers on those weight
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,21 +19,19 @@ from engine_token import TOKEN
 from safetensors.torch import load_file
 from weight_sync_harness import (
     GREEDY_TOKENS,
-    PROMPT_IDS,
     HFReference,
     SyncJob,
     SyncStep,
+    assert_continues_like_a_fresh_model,
     assert_synced,
-    hf_greedy,
     run_sync_job,
+    running_engines,
 )
 
 from vime.config import EngineConfig
 from vime.rollout.vllm_engine import VLLMEngine
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
-
-SEED_CHECK_TOKENS = 48  # continuation tokens compared with HF after a clear_cache switch
 
 
 @pytest.fixture(scope="module")
@@ -45,37 +42,15 @@ def model_dir(model_builder) -> str:
 @pytest.fixture(scope="module")
 def servers(model_dir, model_builder, tmp_path_factory):
     """A, C: gloo; B: shm; D: gloo serving the bfloat16 checkpoint. Launched at once."""
-    log_dir = str(tmp_path_factory.mktemp("engine-logs"))
     bf16_dir = str(model_builder("qwen2-tiny", "bfloat16"))
-    backends = {
-        "A": ("gloo", model_dir, "float32"),
-        "B": ("shm", model_dir, "float32"),
-        "C": ("gloo", model_dir, "float32"),
-        "D": ("gloo", bf16_dir, "bfloat16"),
+    specs = {
+        "A": {"weight_transfer_backend": "gloo", "model_path": model_dir},
+        "B": {"weight_transfer_backend": "shm", "model_path": model_dir},
+        "C": {"weight_transfer_backend": "gloo", "model_path": model_dir},
+        "D": {"weight_transfer_backend": "gloo", "model_path": bf16_dir, "dtype": "bfloat16"},
     }
-    engines = {
-        name: VLLMEngine(
-            EngineConfig(
-                model_path=path,
-                weight_transfer_backend=backend,
-                dtype=dtype,
-                max_model_len=2048,  # room for the long in-flight request
-                startup_timeout_s=300,
-                request_timeout_s=60,
-                auth_token=TOKEN,
-            ),
-            rank=index,
-            log_dir=log_dir,
-        )
-        for index, (name, (backend, path, dtype)) in enumerate(backends.items())
-    }
-    try:
-        with ThreadPoolExecutor(len(engines)) as pool:
-            list(pool.map(lambda engine: engine.init(), engines.values()))
+    with running_engines(specs, str(tmp_path_factory.mktemp("engine-logs"))) as engines:
         yield {name: engine.url for name, engine in engines.items()}
-    finally:
-        for engine in engines.values():
-            engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -189,19 +164,9 @@ def test_request_in_flight_continues_on_new_weights(tp1_run):
 
 
 def test_clear_cache_switch_continues_like_a_fresh_model(tp1_run, hf):
-    """The seed's validation: after a keep pause with clear_cache=True the request re-prefills,
-    so its tokens after the switch are what the new weights generate from prompt + old tokens."""
+    """The seed's validation (keep pause mid-request, clear_cache=True, sync, resume)."""
     records, exported = tp1_run
-    record = records[5]
-    assert record["report"].prefix_cache_flushed is True
-    tokens = record["inflight"]["token_ids"]
-    versions = record["inflight"]["weight_versions"]
-    switch = versions.index("2")
-    assert 0 < switch < len(tokens) - SEED_CHECK_TOKENS, (switch, len(tokens))
-    assert set(versions[switch:]) == {"2"}
-    model = hf.load(exported[5])
-    expected = hf_greedy(model, [*PROMPT_IDS, *tokens[:switch]], SEED_CHECK_TOKENS)
-    assert tokens[switch : switch + SEED_CHECK_TOKENS] == expected
+    assert_continues_like_a_fresh_model(records[5], exported[5], hf)
 
 
 def test_mismatched_weights_rejected_before_any_transfer(tp1_run, checkpoint):

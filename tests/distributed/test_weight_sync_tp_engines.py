@@ -16,29 +16,24 @@ import os
 import re
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from engine_token import TOKEN
 from safetensors.torch import load_file
 from weight_sync_harness import (
-    PROMPT_IDS,
     HFReference,
     SyncJob,
     SyncStep,
+    assert_continues_like_a_fresh_model,
     assert_synced,
-    hf_greedy,
     run_sync_job,
+    running_engines,
 )
 
-from vime.config import EngineConfig
 from vime.rollout.keeper import group_members, mapped_shm_files
 from vime.rollout.vllm_engine import VLLMEngine
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
-
-SEED_CHECK_TOKENS = 48  # continuation tokens compared with HF after a clear_cache switch
 
 
 @pytest.fixture(scope="module")
@@ -49,31 +44,14 @@ def model_dir(model_builder) -> str:
 @pytest.fixture(scope="module")
 def engines(model_dir, tmp_path_factory):
     """G2: TP=2 gloo, S2: TP=2 shm, G1: TP=1 gloo. Launched at once."""
-    log_dir = str(tmp_path_factory.mktemp("engine-logs"))
-    layouts = {"G2": ("gloo", 2), "S2": ("shm", 2), "G1": ("gloo", 1)}
-    engines = {
-        name: VLLMEngine(
-            EngineConfig(
-                model_path=model_dir,
-                weight_transfer_backend=backend,
-                tensor_parallel_size=tp,
-                max_model_len=2048,  # room for the long in-flight request
-                startup_timeout_s=400,
-                request_timeout_s=60,
-                auth_token=TOKEN,
-            ),
-            rank=index,
-            log_dir=log_dir,
-        )
-        for index, (name, (backend, tp)) in enumerate(layouts.items())
+    specs = {
+        "G2": {"weight_transfer_backend": "gloo", "tensor_parallel_size": 2},
+        "S2": {"weight_transfer_backend": "shm", "tensor_parallel_size": 2},
+        "G1": {"weight_transfer_backend": "gloo"},
     }
-    try:
-        with ThreadPoolExecutor(len(engines)) as pool:
-            list(pool.map(lambda engine: engine.init(), engines.values()))
+    specs = {name: {"model_path": model_dir, **fields} for name, fields in specs.items()}
+    with running_engines(specs, str(tmp_path_factory.mktemp("engine-logs"))) as engines:
         yield engines
-    finally:
-        for engine in engines.values():
-            engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -137,17 +115,7 @@ def test_clear_cache_switch_on_tp2_engine_continues_like_a_fresh_model(trainer_t
     clear_cache=True, a sync, resume; the request's tokens after the switch are what the new
     weights generate from prompt + the tokens before it."""
     records, exported = trainer_tp1_run
-    record = records[0]
-    assert record["report"].prefix_cache_flushed is True
-    tokens = record["inflight"]["token_ids"]
-    versions = record["inflight"]["weight_versions"]
-    switch = versions.index("1")
-    assert 0 < switch < len(tokens) - SEED_CHECK_TOKENS, (switch, len(tokens))
-    assert set(versions[switch:]) == {"1"}
-    assert record["inflight"]["finish_reason"] == "length"
-    model = hf.load(exported[0])
-    expected = hf_greedy(model, [*PROMPT_IDS, *tokens[:switch]], SEED_CHECK_TOKENS)
-    assert tokens[switch : switch + SEED_CHECK_TOKENS] == expected
+    assert_continues_like_a_fresh_model(records[0], exported[0], hf)
 
 
 def _engine_files(engine: VLLMEngine) -> tuple[set[str], str]:

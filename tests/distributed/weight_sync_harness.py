@@ -16,6 +16,8 @@ import threading
 import time
 import traceback
 import zlib
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -27,6 +29,7 @@ from megatron_harness import init_gloo_rank, spawn_ranks
 from safetensors.torch import save_file
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=90)
+SEED_CHECK_TOKENS = 48  # continuation tokens compared with HF after a clear_cache switch
 GREEDY_TOKENS = 12
 PROMPT_IDS = (11, 22, 33, 44, 55)
 INFLIGHT_TOKENS = 1500  # long enough that the pause lands mid-request on 2 busy cores
@@ -404,3 +407,53 @@ def assert_synced(record: dict, exported: dict, hf: HFReference, checkpoint: dic
     assert report.weight_version == step.version
     assert report.verified
     assert {"pause", "start", "send", "finish", "verify", "resume"} <= set(report.seconds)
+
+
+@contextmanager
+def running_engines(specs: dict[str, dict], log_dir: str):
+    """vLLM CPU engines launched at once, {name: EngineConfig fields}; yields {name: engine}.
+
+    Each gets room for the long in-flight request and the tests' token; all end on exit.
+    """
+    from vime.config import EngineConfig
+    from vime.rollout.vllm_engine import VLLMEngine
+
+    engines = {
+        name: VLLMEngine(
+            EngineConfig(
+                **{
+                    "max_model_len": 2048,
+                    "startup_timeout_s": 400,
+                    "request_timeout_s": 60,
+                    "auth_token": TOKEN,
+                    **fields,
+                }
+            ),
+            rank=index,
+            log_dir=log_dir,
+        )
+        for index, (name, fields) in enumerate(specs.items())
+    }
+    try:
+        with ThreadPoolExecutor(len(engines)) as pool:
+            list(pool.map(lambda engine: engine.init(), engines.values()))
+        yield engines
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+
+
+def assert_continues_like_a_fresh_model(record: dict, exported: dict, hf: HFReference) -> None:
+    """The seed's validation: after a keep pause with clear_cache=True the request re-prefills,
+    so its tokens after the switch are what the new weights generate from prompt + old tokens."""
+    assert record["report"].prefix_cache_flushed is True
+    version = str(record["step"].version)
+    tokens = record["inflight"]["token_ids"]
+    versions = record["inflight"]["weight_versions"]
+    switch = versions.index(version)
+    assert 0 < switch < len(tokens) - SEED_CHECK_TOKENS, (switch, len(tokens))
+    assert set(versions[switch:]) == {version}
+    assert record["inflight"]["finish_reason"] == "length"
+    model = hf.load(exported)
+    expected = hf_greedy(model, [*PROMPT_IDS, *tokens[:switch]], SEED_CHECK_TOKENS)
+    assert tokens[switch : switch + SEED_CHECK_TOKENS] == expected

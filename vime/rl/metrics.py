@@ -114,7 +114,9 @@ class MetricsWriter:
             for key in keys:
                 steps, values = self.series(key)
                 if steps:
-                    axis.plot(steps, values, marker=".", label=key)
+                    # Held-out evaluations are a few points in time: markers on a dashed line.
+                    style = {"marker": "o", "linestyle": "--"} if key == EVAL_KEY else {}
+                    axis.plot(steps, values, **{"marker": ".", "label": key, **style})
                     drawn = True
             if drawn:
                 axis.legend(fontsize=7)
