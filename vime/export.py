@@ -5,6 +5,8 @@ The run's `config.resolved.json` says which model and checkpoint directory; the 
 checkpoint is exported unless `--checkpoint` names one. The weights are loaded on one process
 (megatron-core reads any TP layout's checkpoint into TP=1), converted to HF names and layouts by the
 same converter the weight sync uses, and written beside the base model's config and tokenizer files.
+Relative paths in the run's config (engine.model_path, checkpoint.dir) are read from the current
+directory, as the job read them: run it where the job ran.
 
     vime export runs/tiny-cpu-async exported/ && python -c "import transformers; ..."
 """
@@ -18,6 +20,8 @@ from datetime import timedelta
 from pathlib import Path
 
 logger = logging.getLogger("vime.export")
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 def export(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None = None) -> Path:
@@ -66,7 +70,9 @@ def export(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None =
         dist.destroy_process_group()
     out.mkdir(parents=True, exist_ok=True)
     for file in Path(config.engine.model_path).iterdir():
-        if file.is_file() and not file.name.endswith(".safetensors") and "index" not in file.name:
+        # Config, generation config, tokenizer: everything but the base model's weights.
+        weights = file.suffix in WEIGHT_SUFFIXES or file.name.endswith(".index.json")
+        if file.is_file() and not weights:
             shutil.copy(file, out / file.name)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     print(

@@ -50,7 +50,7 @@ from vime.megatron.checkpoint import (
 )
 from vime.rl.evaluate import EvalConfig, eval_metrics
 from vime.rl.loss import GRPOConfig
-from vime.rl.metrics import MetricsWriter, prefixed
+from vime.rl.metrics import MetricsWriter, drop_rows_from, prefixed
 from vime.rl.rollout import RolloutConfig
 from vime.rollout.auth import new_token
 from vime.rollout.recovery import EngineRecovery
@@ -142,6 +142,13 @@ class TrainConfig(StrictModel):
                 "one node (Ray places one bundle per engine); start an engine spanning nodes "
                 "yourself (vime.rollout.server.launch_server with EngineNodeRole) and give its "
                 "URL in engine.external_urls, or set engine.num_nodes=1"
+            )
+        if self.eval.prompts_path and self.eval.timeout_s >= self.weight_sync.barrier_timeout_s:
+            raise ValueError(
+                f"eval.timeout_s={self.eval.timeout_s:g} must be below "
+                f"weight_sync.barrier_timeout_s={self.weight_sync.barrier_timeout_s:g}: the other "
+                "trainer ranks wait at a barrier while rank 0 evaluates; lower the first or raise "
+                "the second"
             )
         if self.engine.fault_tolerance and self.engine.external_urls:
             raise ValueError(
@@ -331,13 +338,11 @@ def run(config: TrainConfig) -> dict[str, Any]:
         dp_group=dp_group,
     )
     resumed = None
-    resume_path = config.checkpoint.resume_path(run_dir)
+    resume_path = _resume_path(config, run_dir, rank, sync_group)
     if resume_path is not None:
         # Before any engine starts: a checkpoint that does not fit fails here, fast.
         resumed = load_checkpoint(trainer, resume_path)
-    elif config.checkpoint.resume is True:
-        logger.info("checkpoint.resume: no complete checkpoint in %s, starting fresh",
-                    config.checkpoint.root(run_dir))  # fmt: skip
+        _reapply_optimizer_settings(trainer, config.trainer)
 
     if rank == 0 and not config.engine.external_urls and config.engine.auth_token is None:
         config = _with_engine_token(config, new_token())
@@ -386,6 +391,32 @@ def run(config: TrainConfig) -> dict[str, Any]:
     return summary
 
 
+def _resume_path(config: TrainConfig, run_dir: Path, rank: int, group: Any) -> Path | None:
+    """Rank 0 picks the checkpoint to resume from and tells every rank (all load it, or none)."""
+    choice: tuple[str | None, str | None] = (None, None)  # (path, error)
+    if rank == 0:
+        try:
+            path = config.checkpoint.resume_path(run_dir)
+            choice = (str(path) if path else None, None)
+            if path is None and config.checkpoint.resume is True:
+                logger.info(
+                    "checkpoint.resume: no complete checkpoint in %s, starting fresh",
+                    config.checkpoint.root(run_dir),
+                )
+        except ValueError as exc:
+            choice = (None, str(exc))
+    path, error = _broadcast_object(choice, group)
+    if error is not None:
+        raise ValueError(error)
+    return Path(path) if path else None
+
+
+def _reapply_optimizer_settings(trainer: Any, config: TrainerConfig) -> None:
+    """This job's lr, betas and weight decay, not the checkpoint's (a resume may change them)."""
+    for group in trainer.optimizer.param_groups:
+        group.update(lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+
+
 def _run_loop(
     config, rank, run_dir, trainer, topology, sync_group, engines, urls, num_local_engines, resumed
 ) -> dict:
@@ -423,6 +454,10 @@ def _run_loop(
             resumed.next_step,
         )
         start_step = resumed.next_step
+        if rank == 0:
+            # Rows the killed run wrote for steps it had not checkpointed are written again.
+            for name in ("metrics.jsonl", "eval.jsonl", "rollouts.jsonl"):
+                drop_rows_from(run_dir / name, start_step)
     checkpoint_root = config.checkpoint.root(run_dir)
 
     tokenizer = AutoTokenizer.from_pretrained(config.engine.model_path)
@@ -453,14 +488,21 @@ def _run_loop(
             recovery.watchdog = watchdog
     recover = _Recover(updater, recovery, sync_group, config.engine.progress_timeout_s)
     summary: dict[str, Any] = {}
-    evaluations: dict[str, dict[str, float]] = {}
+    evaluations: dict[str, Any] = {}  # "before"/"after": scores; "after_error": why not
 
     def evaluate(when: str, step: int) -> None:
         """Rank 0: greedy pass@1 on the held-out prompts through the engines, as they are now."""
         if rollouts is None or writer is None or config.eval.prompts_path is None:
             return
         future = rollouts.evaluate(config.eval.rollout_config(config.rollout))
-        scores = eval_metrics(future.result(timeout=2 * config.engine.request_timeout_s))
+        try:
+            scores = eval_metrics(future.result(timeout=config.eval.timeout_s))
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(
+                f"held-out eval {when} step {step} took over eval.timeout_s="
+                f"{config.eval.timeout_s:g} s (raise it, or use fewer eval prompts)"
+            ) from None
         scores["eval/weight_version"] = float(updater.weight_version)
         writer.log_eval(step, scores)
         evaluations[when] = scores
@@ -522,7 +564,11 @@ def _run_loop(
             if config.checkpoint.due(step + 1, config.num_steps):
                 state = TrainingState(next_step=step + 1, weight_version=updater.weight_version)
                 save_checkpoint(trainer, checkpoint_root, state, keep=config.checkpoint.keep)
-        evaluate("after", config.num_steps)
+        try:
+            evaluate("after", config.num_steps)
+        except Exception as exc:  # noqa: BLE001 (training and its checkpoint are done: report it)
+            logger.error("held-out eval after training failed: %s", exc)
+            evaluations["after_error"] = str(exc)
     finally:
         if watchdog is not None:
             watchdog.stop()  # before the engines end on purpose

@@ -313,6 +313,7 @@ def served_differences(engine_record: dict, exported: dict) -> list[str]:
     from vime.weight_sync.shards import Shard
 
     differ = []
+    covered: dict[str, set[int]] = {}  # name -> indices along the sliced dim some worker holds
     workers = zip(engine_record["metadata"], engine_record["checksums"], strict=True)
     for worker, (metadata, served) in enumerate(workers):
         expected = {}
@@ -320,6 +321,12 @@ def served_differences(engine_record: dict, exported: dict) -> list[str]:
             whole = exported[entry["name"]]
             shard = Shard.from_list(entry["shard"])
             part = whole if shard is None else shard.take(whole)
+            held = range(whole.shape[0]) if shard is None else range(shard.start, shard.stop)
+            if shard is None or shard.dim == 0:
+                covered.setdefault(entry["name"], set()).update(held)
+            else:
+                covered.setdefault(entry["name"], set(range(whole.shape[0])))
+                covered.setdefault(f"{entry['name']} dim {shard.dim}", set()).update(held)
             expected[entry["name"]] = tensor_digest(part.to(dtype_from_name(entry["dtype"])))
         assert expected.keys() == exported.keys(), f"worker {worker} serves other tensors"
         differ += [
@@ -327,6 +334,12 @@ def served_differences(engine_record: dict, exported: dict) -> list[str]:
             for name in expected.keys() | served.keys()
             if expected.get(name) != served.get(name)
         ]
+    # Together the workers hold every element: the slices tile each tensor.
+    for key, indices in covered.items():
+        name, _, dim = key.partition(" dim ")
+        size = exported[name].shape[int(dim) if dim else 0]
+        if indices != set(range(size)):
+            differ.append(f"{key}: the workers' slices cover {len(indices)} of {size}")
     return sorted(differ)
 
 

@@ -4,8 +4,8 @@ trainer rank, Ray and vLLM CPU engine.
 The first run saves a checkpoint every 2 steps and is killed (torchrun SIGKILL) once the one after
 step 2 is complete. The second run, `checkpoint.resume=true` in the same run_dir, loads it before
 any engine starts, syncs the fresh engine to the resumed weights (as the checkpoint's weight
-version) before its first rollout, and continues at step 2: its metrics carry on from there and
-every token of its first batch comes from the resumed weights.
+version) before its first rollout, and continues at step 2: its metrics carry on from there (one
+row per step), and every token of its first batch comes from the resumed weights.
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ from vime.utils.net import free_port
 pytestmark = pytest.mark.faults
 
 
-def _rows_after(path, count: int) -> list[dict]:
-    """The JSON lines of `path` after its first `count` lines (those of the killed run)."""
-    return [json.loads(line) for line in path.read_text().splitlines()[count:]]
+def _rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_killed_job_resumes_from_its_checkpoint(tmp_path, tiny_model_dir):
@@ -41,8 +40,6 @@ def test_killed_job_resumes_from_its_checkpoint(tmp_path, tiny_model_dir):
         job.wait_all_gone(12)
     finally:
         job.stop()
-    first_rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    first_samples = (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()
 
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
@@ -56,13 +53,14 @@ def test_killed_job_resumes_from_its_checkpoint(tmp_path, tiny_model_dir):
     assert resumed.returncode == 0, resumed.stderr[-6000:]
     assert "resumed from" in resumed.stderr and "step_2" in resumed.stderr
 
-    rows = _rows_after(tmp_path / "run" / "metrics.jsonl", len(first_rows))
-    assert [r["step"] for r in rows] == [2, 3]
+    # One row per step: rows the killed run wrote after its checkpoint were dropped on resume.
+    rows = _rows(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
     # The checkpoint after step 2 holds weight version 2; the resumed syncs make 3 and 4.
-    assert [r["sync/weight_version"] for r in rows] == [3, 4]
+    assert [r["sync/weight_version"] for r in rows] == [1, 2, 3, 4]
     assert all(r["sync/verified"] == 1.0 for r in rows)
-    samples = _rows_after(tmp_path / "run" / "rollouts.jsonl", len(first_samples))
-    assert [s["step"] for s in samples] == [2] * 16 + [3] * 16
+    samples = _rows(tmp_path / "run" / "rollouts.jsonl")
+    assert [s["step"] for s in samples] == [0] * 16 + [1] * 16 + [2] * 16 + [3] * 16
     # The engine served the resumed weights (version 2) before the first rollout.
     assert {v for s in samples if s["step"] == 2 for v in s["weight_versions"]} == {2}
     # The newest two complete checkpoints are kept: step_2 and the one at the end, step_4.

@@ -129,8 +129,11 @@ def test_cpu_engines_get_disjoint_cores(monkeypatch):
     assert cpu_core_binding(0, 1, 1) is None  # one engine: vLLM's "auto"
     assert [cpu_core_binding(rank, 2, 1) for rank in range(2)] == ["0,1", "2,3"]
     assert cpu_core_binding(1, 2, 2) == "2|3"  # one core per TP worker
-    # One TP engine: vLLM's "auto" refuses TP > 1 on one NUMA node, so vime binds it too.
-    assert cpu_core_binding(0, 1, 2) == "0,1|2,3"
+    # One TP engine: vLLM's "auto" refuses TP > 1 on one NUMA node, so vime binds it too,
+    # leaving the last core to the trainer as "auto" would.
+    assert cpu_core_binding(0, 1, 2) == "0|1"
+    assert cpu_core_binding(0, 1, 3) == "0|1|2"
+    assert cpu_core_binding(0, 1, 4) == "0|1|2|3"  # no core to spare
     # Fewer cores than workers: one core each, round robin.
     assert [cpu_core_binding(rank, 4, 2) for rank in range(3)] == ["0|1", "2|3", "0|1"]
     assert cpu_core_binding(0, 1, 8) == "0|1|2|3|0|1|2|3"

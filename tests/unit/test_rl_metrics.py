@@ -108,3 +108,16 @@ def test_checkpoint_schedule_and_resume_path(tmp_path):
     assert CheckpointConfig().resume_path(tmp_path) is None
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         CheckpointConfig(resume=str(root / "step_4")).resume_path(tmp_path)
+    (root / "step_4" / "metadata.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"older than checkpoints \['step_4'\]"):
+        CheckpointConfig(resume=str(root / "step_2")).resume_path(tmp_path)
+
+
+def test_a_resumed_run_drops_the_rows_it_writes_again(tmp_path):
+    from vime.rl.metrics import drop_rows_from, read_rows
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n{"step": 3, "cut')
+    drop_rows_from(path, 2)
+    assert read_rows(path) == [{"step": 0}, {"step": 1}]
+    drop_rows_from(tmp_path / "absent.jsonl", 2)  # nothing to do

@@ -71,6 +71,14 @@ class CheckpointConfig(StrictModel):
                 f"checkpoint.resume={self.resume!r} is not a complete checkpoint (no "
                 "metadata.json there): give a step_<K> directory, or true for the newest"
             )
+        root = self.root(run_dir)
+        newer = [p.name for p in complete_checkpoints(root) if _step(p) > _step(path)]
+        if newer:
+            raise ValueError(
+                f"checkpoint.resume={self.resume!r} is older than checkpoints {newer} in {root}, "
+                "which this run's saves would mix with and prune: move them away, or give "
+                "checkpoint.dir a new directory"
+            )
         return path
 
 
@@ -156,6 +164,11 @@ def load_checkpoint(trainer: Any, path: str | Path, with_optimizer: bool = True)
     torch.set_rng_state(loaded["rng_state"])
     logger.info("resumed from %s: next step %d, weight version %d", path, *asdict(state).values())
     return state
+
+
+def _step(path: Path) -> int:
+    match = _STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else -1
 
 
 def complete_checkpoints(root: str | Path) -> list[Path]:

@@ -39,6 +39,14 @@ class EvalConfig(StrictModel):
         ),
     )
     max_tokens: int | None = Field(None, ge=1, description="None: rollout.max_tokens.")
+    timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description=(
+            "Longest one evaluation may take (the other trainer ranks wait meanwhile, so it must "
+            "stay below weight_sync.barrier_timeout_s)."
+        ),
+    )
 
     def rollout_config(self, rollout: RolloutConfig) -> RolloutConfig:
         """The rollout settings for one greedy pass over every held-out prompt."""

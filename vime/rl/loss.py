@@ -34,9 +34,11 @@ class GRPOConfig(StrictModel):
     kl_estimator: Literal["k1", "k3"] = Field(
         "k3",
         description=(
-            "Per-token KL estimate on the sampled tokens, with d = ref - train log-prob: k1 = -d "
-            "(the log ratio; unbiased, high variance, can be negative), k3 = exp(d) - d - 1 "
-            "(unbiased, non-negative, lower variance; Schulman's estimator)."
+            "How the KL to the reference enters, with d = ref - train log-prob per sampled token. "
+            "k1: a per-token penalty -kl_coef * (train - ref) on the advantage (detached; the "
+            "KL-in-reward form, whose policy gradient descends KL(train || ref)). k3: a loss term "
+            "kl_coef * (exp(d) - d - 1) (non-negative, low variance; its gradient is that of "
+            "KL(ref || train)). kl_ref logs the estimate's token mean."
         ),
     )
     tis_cap: float | None = Field(
@@ -129,8 +131,9 @@ def grpo_loss(
     Per token: ratio = exp(train - old); objective = min(ratio * A, clip(ratio) * A);
     with tis_cap (needs old_logprobs) the objective is weighted by min(exp(old - rollout), tis_cap),
     the truncated importance weight of the trainer's old policy over the engine's sampling policy;
-    with kl_coef the KL estimate `config.kl_estimator` (k1: train - ref; k3: exp(ref - train) -
-    (ref - train) - 1) is added, times kl_coef; metric `kl_ref` is its token mean.
+    with kl_coef and kl_estimator k1 each token's advantage is lowered by kl_coef * (train - ref)
+    (detached), with k3 kl_coef * (exp(ref - train) - (ref - train) - 1) is added to the loss;
+    metric `kl_ref` is the estimate's token mean.
     For one update per batch pass old_logprobs=train_logprobs.detach(): the ratio is then 1 and
     staleness is corrected by the TIS weight alone.
     """
@@ -161,6 +164,15 @@ def grpo_loss(
 
     ratio = torch.exp(train_logprobs - old)
     advantage = advantages.to(dtype).unsqueeze(1)
+    kl = None
+    if config.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError(f"kl_coef={config.kl_coef} needs ref_logprobs (reference log-probs)")
+        kl = kl_estimate(train_logprobs, ref_logprobs.to(dtype), config.kl_estimator)
+        if config.kl_estimator == "k1":
+            # As a loss, k1's gradient (grad log pi on sampled tokens) averages to zero; as a
+            # reward penalty its policy gradient is -kl_coef * grad KL(train || ref).
+            advantage = advantage - config.kl_coef * kl.detach()
     unclipped = ratio * advantage
     clipped = torch.clamp(ratio, 1 - config.clip_low, 1 + config.clip_high) * advantage
     objective = torch.minimum(unclipped, clipped)
@@ -175,11 +187,9 @@ def grpo_loss(
             ).item()
     loss = -_masked_mean(objective, mask, token_level, num_batch_tokens)
 
-    if config.kl_coef > 0:
-        if ref_logprobs is None:
-            raise ValueError(f"kl_coef={config.kl_coef} needs ref_logprobs (reference log-probs)")
-        kl = kl_estimate(train_logprobs, ref_logprobs.to(dtype), config.kl_estimator)
-        loss = loss + config.kl_coef * _masked_mean(kl, mask, token_level, num_batch_tokens)
+    if kl is not None:
+        if config.kl_estimator == "k3":
+            loss = loss + config.kl_coef * _masked_mean(kl, mask, token_level, num_batch_tokens)
         metrics["kl_ref"] = _masked_mean(kl.detach(), mask, True).item()
 
     with torch.no_grad():

@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 REWARD_KEY = "rollout/reward_mean"
 SYNC_TIME_KEY = "sync/time_s"
@@ -39,6 +40,27 @@ def prefixed(metrics: Mapping[str, float], prefix: str) -> dict[str, float]:
     return {f"{prefix}{key}": value for key, value in metrics.items()}
 
 
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The JSON lines of `path` ([] if absent); a line cut short by a killed run is skipped."""
+    path = Path(path)
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return rows
+
+
+def drop_rows_from(path: str | Path, step: int) -> None:
+    """Keep only the rows of `path` before `step`: what a run resumed at `step` writes again."""
+    path = Path(path)
+    if path.exists():
+        kept = [row for row in read_rows(path) if row.get("step", -1) < step]
+        path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+
+
 class MetricsWriter:
     """Writes metrics.jsonl, TensorBoard events (tb/), and on close metrics.png and summary.txt."""
 
@@ -49,18 +71,10 @@ class MetricsWriter:
         self.plot_path = self.run_dir / "metrics.png"
         self.summary_path = self.run_dir / "summary.txt"
         # A resumed job appends to the rows its earlier run wrote; the plot shows them all.
-        self.history: list[dict[str, float]] = []
-        if self.jsonl_path.exists():
-            for line in self.jsonl_path.read_text().splitlines():
-                try:
-                    self.history.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass  # the last line of a killed run, cut short
+        self.history: list[dict[str, float]] = read_rows(self.jsonl_path)
         # Held-out evaluations (eval.jsonl): a few rows, apart from the per-step metrics.
         self.eval_path = self.run_dir / "eval.jsonl"
-        self.eval_history: list[dict[str, float]] = []
-        if self.eval_path.exists():
-            self.eval_history = [json.loads(x) for x in self.eval_path.read_text().splitlines()]
+        self.eval_history: list[dict[str, float]] = read_rows(self.eval_path)
         self._jsonl = self.jsonl_path.open("a")
         if self._jsonl.tell() and not self.jsonl_path.read_bytes().endswith(b"\n"):
             self._jsonl.write("\n")  # end the cut line: the next row starts on its own

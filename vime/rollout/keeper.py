@@ -207,6 +207,10 @@ def spawn_kept(
             stderr=subprocess.STDOUT if log_file is not None else None,
             pass_fds=(write_end,),
         )
+    except BaseException:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        os.close(read_end)
+        raise
     finally:
         os.close(write_end)
     with os.fdopen(read_end) as report:
@@ -247,7 +251,11 @@ def _kill_with_keeper() -> None:
 def _default_inductor_cache() -> str:
     import getpass
 
-    return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # a uid without a passwd entry (some containers)
+        user = str(os.getuid())
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
 
 
 def detach(owner: int, report_fd: int) -> int:
@@ -285,8 +293,9 @@ def run(
         signal.signal(sig, on_signal)
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="vime-engine-tmp-")
     env = {**os.environ, "TMPDIR": temp_dir}
-    # torch.compile's cache stays where it would be without the private TMPDIR (shared, kept).
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", _default_inductor_cache())
+    if "TORCHINDUCTOR_CACHE_DIR" not in env:
+        # torch.compile's cache stays where it would be without the private TMPDIR (shared).
+        env["TORCHINDUCTOR_CACHE_DIR"] = _default_inductor_cache()
     server = subprocess.Popen(cmd, preexec_fn=_kill_with_keeper, env=env)
     print(
         f"vime keeper {os.getpid()}: server pid {server.pid}, owner pid {owner}, TMPDIR {temp_dir}",

@@ -44,7 +44,8 @@ def cpu_core_binding(rank: int, num_engines: int, tensor_parallel_size: int) -> 
     """VLLM_CPU_OMP_THREADS_BIND giving each worker of `num_engines` local CPU engines its cores.
 
     One core list per worker, `|`-separated: the engine's share of this process's cores split
-    evenly between its `tensor_parallel_size` workers. vLLM's "auto" binds every engine to the
+    evenly between its `tensor_parallel_size` workers (a single engine leaves the last core free
+    when it has more cores than workers). vLLM's "auto" binds every engine to the
     same cores (all but one), so several engines on one host spin on one core in turn, and
     refuses a TP > 1 engine on a one-NUMA-node machine. With fewer cores than workers, each
     worker gets one core, round robin (workers then share cores). None (keep "auto") for one
@@ -53,6 +54,10 @@ def cpu_core_binding(rank: int, num_engines: int, tensor_parallel_size: int) -> 
     if num_engines <= 1 and tensor_parallel_size <= 1:
         return None
     cores = sorted(os.sched_getaffinity(0))
+    if num_engines == 1 and len(cores) > tensor_parallel_size:
+        # As vLLM's "auto" does for one engine: the last core stays free for the API server and
+        # a trainer on the same host (TrainerConfig.cpu_cores "auto" pins it there).
+        cores = cores[:-1]
     cores_per_engine = len(cores) // num_engines
     if cores_per_engine < tensor_parallel_size:
         if tensor_parallel_size == 1:
@@ -246,11 +251,13 @@ class ServerProcess:
             self.process.wait(timeout=grace_s + 10)
         except subprocess.TimeoutExpired:
             pass
-        end_group(self.pid, grace_s=0.5, reap=self.process.poll)
-        self.process.wait(timeout=grace_s)
-        temp_dir = getattr(self.process, "temp_dir", None)
-        if temp_dir:  # normally gone with the keeper; not if the keeper was SIGKILLed
-            shutil.rmtree(temp_dir, ignore_errors=True)
+        try:
+            end_group(self.pid, grace_s=0.5, reap=self.process.poll)
+            self.process.wait(timeout=grace_s)
+        finally:
+            temp_dir = getattr(self.process, "temp_dir", None)
+            if temp_dir:  # normally gone with the keeper; not if the keeper was SIGKILLed
+                shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def launch_server(

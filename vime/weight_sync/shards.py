@@ -48,7 +48,8 @@ def worker_layout(metadata: Iterable[Mapping[str, Any]]) -> WorkerLayout:
         shard = Shard.from_list(entry.get("shard"))
         if shard is not None:
             shape = list(entry["shape"])
-            in_range = 0 <= shard.dim < len(shape) and 0 <= shard.start < shard.stop
+            # start == stop: a worker holding none of it (vocab rows that are all padding).
+            in_range = 0 <= shard.dim < len(shape) and 0 <= shard.start <= shard.stop
             if not (in_range and shard.stop <= shape[shard.dim]):
                 raise ValueError(
                     f"{entry['name']}: the worker reports slice {shard} of a tensor of shape "
