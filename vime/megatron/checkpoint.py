@@ -138,12 +138,32 @@ def save_checkpoint(trainer: Any, root: str | Path, state: TrainingState, keep: 
     sharded["training_state"] = asdict(state)
     sharded["rng_state"] = torch.get_rng_state()
     dist_checkpointing.save(sharded, str(path))
+    _stop_write_results_manager()
     dist.barrier()
     if dist.get_rank() == 0:
         for old in complete_checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     logger.info("saved checkpoint %s (weight version %d)", path, state.weight_version)
     return path
+
+
+def _stop_write_results_manager() -> None:
+    """End the process megatron's torch_dist writer leaves running after a save.
+
+    `filesystem_async._get_write_results_queue` starts a multiprocessing Manager (a spawned server
+    process) on the first save and keeps it for the life of the rank; a SIGKILLed rank would leave
+    it running forever. The save is synchronous and complete here, so it is shut down now (the
+    next save starts a new one): the process exists only while a save runs.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = getattr(filesystem_async, "_results_queue", None)
+    if queue is None:
+        return
+    filesystem_async._results_queue = None
+    manager = getattr(queue, "_manager", None)
+    if manager is not None:
+        manager.shutdown()
 
 
 def load_checkpoint(trainer: Any, path: str | Path, with_optimizer: bool = True) -> TrainingState:
