@@ -472,7 +472,7 @@ def _run_loop(
             urls, token=config.engine.auth_token, fault_tolerant=fault_tolerant
         )
         rollouts = RolloutThread(config.rollout, client=client, tokenizer=tokenizer)
-        writer = MetricsWriter(run_dir)
+        writer = MetricsWriter(run_dir, resume=resumed is not None)
         if fault_tolerant:
             from vime.rollout.ray_engine import startup_bound
 

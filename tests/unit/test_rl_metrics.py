@@ -75,7 +75,7 @@ def test_held_out_evaluations_are_kept_apart_plotted_and_summarised(tmp_path):
     # A resumed job's writer reads both back (a killed run's cut last line is dropped).
     with (tmp_path / "metrics.jsonl").open("a") as out:
         out.write('{"step": 1, "rollout/rew')
-    resumed = MetricsWriter(tmp_path, tensorboard=False)
+    resumed = MetricsWriter(tmp_path, tensorboard=False, resume=True)
     resumed.log(1, {"rollout/reward_mean": 0.6})
     resumed.close()
     assert resumed.series("rollout/reward_mean") == ([0, 1], [0.5, 0.6])
@@ -121,3 +121,16 @@ def test_a_resumed_run_drops_the_rows_it_writes_again(tmp_path):
     drop_rows_from(path, 2)
     assert read_rows(path) == [{"step": 0}, {"step": 1}]
     drop_rows_from(tmp_path / "absent.jsonl", 2)  # nothing to do
+
+
+def test_a_fresh_run_in_a_used_run_dir_shows_only_its_own_rows(tmp_path):
+    with MetricsWriter(tmp_path, tensorboard=False) as first:
+        first.log(0, {"rollout/reward_mean": 0.1})
+        first.log_eval(0, {"eval/pass_at_1": 0.5})
+    second = MetricsWriter(tmp_path, tensorboard=False)
+    second.log(0, {"rollout/reward_mean": 0.9})
+    second.close()
+    assert second.series("rollout/reward_mean") == ([0], [0.9])
+    assert second.series("eval/pass_at_1") == ([], [])
+    assert "steps logged: 1" in (tmp_path / "summary.txt").read_text()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2  # appended, as before

@@ -64,17 +64,18 @@ def drop_rows_from(path: str | Path, step: int) -> None:
 class MetricsWriter:
     """Writes metrics.jsonl, TensorBoard events (tb/), and on close metrics.png and summary.txt."""
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, resume: bool = False):
+        """`resume`: a resumed job's writer; its plot and summary include the rows the earlier
+        run wrote. A fresh run in the same run_dir appends to the files but shows its own rows."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.run_dir / "metrics.jsonl"
         self.plot_path = self.run_dir / "metrics.png"
         self.summary_path = self.run_dir / "summary.txt"
-        # A resumed job appends to the rows its earlier run wrote; the plot shows them all.
-        self.history: list[dict[str, float]] = read_rows(self.jsonl_path)
         # Held-out evaluations (eval.jsonl): a few rows, apart from the per-step metrics.
         self.eval_path = self.run_dir / "eval.jsonl"
-        self.eval_history: list[dict[str, float]] = read_rows(self.eval_path)
+        self.history: list[dict[str, Any]] = read_rows(self.jsonl_path) if resume else []
+        self.eval_history: list[dict[str, Any]] = read_rows(self.eval_path) if resume else []
         self._jsonl = self.jsonl_path.open("a")
         if self._jsonl.tell() and not self.jsonl_path.read_bytes().endswith(b"\n"):
             self._jsonl.write("\n")  # end the cut line: the next row starts on its own
