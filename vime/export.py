@@ -16,18 +16,40 @@ from __future__ import annotations
 import argparse
 import logging
 import shutil
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("vime.export")
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
+def write_hf_checkpoint(
+    tensors: Mapping[str, torch.Tensor], base_model: str | Path, out: str | Path
+) -> Path:
+    """OUT/model.safetensors with `tensors`, beside the base model's config, generation config
+    and tokenizer files (everything of it but its weights); return OUT."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for file in Path(base_model).iterdir():
+        weights = file.suffix in WEIGHT_SUFFIXES or file.name.endswith(".index.json")
+        if file.is_file() and not weights:
+            shutil.copy(file, out / file.name)
+    contiguous = {name: tensor.contiguous() for name, tensor in tensors.items()}
+    save_file(contiguous, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
 def export(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None = None) -> Path:
     """Write OUT/model.safetensors (+ the base model's other files); return OUT."""
     import torch.distributed as dist
-    from safetensors.torch import save_file
 
     from vime.megatron.checkpoint import latest_checkpoint, load_checkpoint
     from vime.megatron.gather import GatherGroups, gather_hf_weights
@@ -68,13 +90,7 @@ def export(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None =
         }
     finally:
         dist.destroy_process_group()
-    out.mkdir(parents=True, exist_ok=True)
-    for file in Path(config.engine.model_path).iterdir():
-        # Config, generation config, tokenizer: everything but the base model's weights.
-        weights = file.suffix in WEIGHT_SUFFIXES or file.name.endswith(".index.json")
-        if file.is_file() and not weights:
-            shutil.copy(file, out / file.name)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    write_hf_checkpoint(tensors, config.engine.model_path, out)
     print(
         f"vime export: {path} (step {state.next_step}, weight version {state.weight_version}) "
         f"-> {out} ({len(tensors)} tensors)"

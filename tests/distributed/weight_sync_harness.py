@@ -11,7 +11,6 @@ The test process asserts on those files.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import threading
 import time
 import traceback
@@ -26,7 +25,6 @@ import requests
 import torch
 from engine_token import HEADERS, TOKEN
 from megatron_harness import init_gloo_rank, spawn_ranks
-from safetensors.torch import save_file
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=90)
 SEED_CHECK_TOKENS = 48  # continuation tokens compared with HF after a clear_cache switch
@@ -372,17 +370,10 @@ class HFReference:
     def load(self, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM
 
+        from vime.export import write_hf_checkpoint
+
         self.count += 1
-        out = self.root / f"exported-{self.count}"
-        out.mkdir(parents=True)
-        for file in self.model_dir.iterdir():
-            if file.is_file() and file.suffix != ".safetensors":
-                shutil.copy(file, out / file.name)
-        save_file(
-            {k: v.contiguous() for k, v in weights.items()},
-            out / "model.safetensors",
-            metadata={"format": "pt"},
-        )
+        out = write_hf_checkpoint(weights, self.model_dir, self.root / f"exported-{self.count}")
         return AutoModelForCausalLM.from_pretrained(out, dtype=dtype).eval()
 
 

@@ -196,12 +196,8 @@ def complete_checkpoints(root: str | Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = []
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and (child / "metadata.json").is_file():
-            found.append((int(match.group(1)), child))
-    return [path for _, path in sorted(found)]
+    complete = [c for c in root.iterdir() if _step(c) >= 0 and (c / "metadata.json").is_file()]
+    return sorted(complete, key=_step)
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:

@@ -100,11 +100,14 @@ class WeightUpdater:
         # Per engine, per worker: HF name -> the dtype it serves (may be wider than sent) and the
         # slice of the whole tensor it holds (tensor parallelism); read by check_engines.
         self.engine_layouts: list[list[WorkerLayout]] = []
-        # Per engine: its workers, read once by check_engines (the broadcast groups' layout).
-        self.engine_world_sizes: list[int] = []
         self.buckets: list[Bucket] = []
         self._timeout = timedelta(seconds=config.transfer_timeout_s)
         self._send_timer = PhaseTimer()
+
+    @property
+    def engine_world_sizes(self) -> list[int]:
+        """Each engine's workers, as check_engines found them (the broadcast groups' layout)."""
+        return [len(workers) for workers in self.engine_layouts]
 
     @property
     def is_sender(self) -> bool:
@@ -187,7 +190,6 @@ class WeightUpdater:
                 f"trainer weights do not fit the engines, nothing was sent: {verdict[0]}"
             )
         self.engine_layouts = verdict[1]
-        self.engine_world_sizes = [len(workers) for workers in verdict[1]]
 
     def connect(self) -> None:
         """Check the engines, plan this stage's buckets and join the engines, stage by stage."""

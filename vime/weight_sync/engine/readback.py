@@ -58,11 +58,10 @@ def served_shards(model: torch.nn.Module, materialize: bool = True) -> Iterator[
             tensor = _served_tensor(module, param_name, param, materialize)
             if isinstance(module, VocabParallelEmbedding):
                 rows = module.shard_indices
-                part = tensor[: rows.num_org_elements]
+                shape = (module.org_vocab_size, *tensor.shape[1:])
                 start, stop = rows.org_vocab_start_index, rows.org_vocab_end_index
-                yield _whole_or_shard(
-                    full_name, part, 0, start, stop, module.org_vocab_size, tp_size
-                )
+                shard = None if tp_size == 1 else Shard(0, start, stop)
+                yield ServedTensor(full_name, tensor[: rows.num_org_elements], shape, shard)
             elif isinstance(module, ColumnParallelLinear):
                 dim = getattr(param, "output_dim", 0)
                 if leaf in packed and hasattr(module, "output_sizes"):
@@ -72,40 +71,24 @@ def served_shards(model: torch.nn.Module, materialize: bool = True) -> Iterator[
                         replicas = 1
                         if isinstance(module, QKVParallelLinear) and index > 0:
                             replicas = module.num_kv_head_replicas
-                        size = part.shape[dim]
-                        start = (tp_rank // replicas) * size
-                        yield _whole_or_shard(
-                            f"{parent}{sub_name}.{param_name}",
-                            part,
-                            dim,
-                            start,
-                            start + size,
-                            size * tp_size // replicas,
-                            tp_size,
-                        )
+                        name = f"{parent}{sub_name}.{param_name}"
+                        yield _slice(name, part, dim, tp_rank // replicas, tp_size // replicas)
                 else:
-                    size = tensor.shape[dim]
-                    yield _whole_or_shard(
-                        full_name, tensor, dim, tp_rank * size, (tp_rank + 1) * size,
-                        size * tp_size, tp_size,
-                    )  # fmt: skip
+                    yield _slice(full_name, tensor, dim, tp_rank, tp_size)
             elif isinstance(module, RowParallelLinear) and tensor.dim() > 1:
-                dim = getattr(param, "input_dim", 1)  # the bias is whole on every worker
-                size = tensor.shape[dim]
-                yield _whole_or_shard(
-                    full_name, tensor, dim, tp_rank * size, (tp_rank + 1) * size,
-                    size * tp_size, tp_size,
-                )  # fmt: skip
+                # Columns are split; the bias is whole on every worker.
+                yield _slice(full_name, tensor, getattr(param, "input_dim", 1), tp_rank, tp_size)
             else:
                 yield ServedTensor(full_name, tensor, tuple(tensor.shape), None)
 
 
-def _whole_or_shard(
-    name: str, part: torch.Tensor, dim: int, start: int, stop: int, full_size: int, tp_size: int
-) -> ServedTensor:
+def _slice(name: str, part: torch.Tensor, dim: int, index: int, count: int) -> ServedTensor:
+    """`part` is slice `index` of `count` equal slices along `dim` of the whole tensor (one
+    worker's share; count 1: the whole tensor, on every worker)."""
+    size = part.shape[dim]
     shape = list(part.shape)
-    shape[dim] = full_size
-    shard = None if tp_size == 1 and (start, stop) == (0, full_size) else Shard(dim, start, stop)
+    shape[dim] = size * count
+    shard = None if count == 1 else Shard(dim, index * size, (index + 1) * size)
     return ServedTensor(name, part, tuple(shape), shard)
 
 
