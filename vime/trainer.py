@@ -1,11 +1,12 @@
 """The RL trainer: a megatron-core GPTModel over TP x DP ranks, one GRPO optimizer step per batch.
 
-Every rank calls `train_step` with the same packed batch; each data-parallel rank takes its slice,
-runs micro-batches (gradient accumulation, the loss normalised by the whole batch's token count),
-sums gradients over DP, clips and steps. With `grpo.kl_coef > 0` a frozen copy of the initial
-weights (sharded like the policy) gives each token's reference log-prob for the KL penalty.
-Pipeline parallel training is not supported yet (PP > 1 is rejected by TrainerConfig); weight
-sync itself handles PP.
+Every rank calls `train_step` with the same packed batch; each data-parallel rank takes its slice
+and runs it in micro-batches through megatron-core's own schedule (`get_forward_backward_func`:
+1F1B over the pipeline stages at PP>1; the loss, on the last stage, normalised by the whole
+batch's token count), then sums gradients over DP (and a tied embedding's over its first- and
+last-stage copies), clips by the global norm and steps. With `grpo.kl_coef > 0` a frozen copy of
+the initial weights (sharded like the policy) gives each token's reference log-prob for the KL
+penalty, by a forward-only pass of the same schedule.
 
     trainer = MegatronTrainer(config, model_path=..., topology=topology, grpo=grpo)
     metrics = trainer.train_step(packed_batch)
@@ -13,10 +14,14 @@ sync itself handles PP.
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import math
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -30,8 +35,10 @@ from vime.megatron.model import (
     build_gpt_model,
     load_hf_checkpoint,
     load_hf_config,
+    logprobs_from_logits,
     pad_vocab_size,
-    token_logprobs,
+    stage_forward,
+    unwrap,
 )
 from vime.megatron.topology import Topology
 from vime.rl.loss import GRPOConfig, group_advantages, grpo_loss
@@ -47,14 +54,21 @@ class TrainerConfig(StrictModel):
 
     tensor_parallel_size: int = Field(1, ge=1, description="Megatron TP degree.")
     pipeline_parallel_size: int = Field(
-        1, ge=1, le=1, description="Megatron PP degree; training supports 1 for now."
+        1, ge=1, description="Megatron PP degree (megatron's 1F1B schedule over the stages)."
     )
     params_dtype: str = Field("float32", description="Parameter dtype: float32 or bfloat16.")
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this.")
-    micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward.")
+    micro_batch_size: int = Field(
+        16,
+        ge=1,
+        description=(
+            "Most sequences per forward/backward; a DP rank's samples are split into "
+            "ceil(n / micro_batch_size) micro-batches of one size (the last padded)."
+        ),
+    )
     collective_timeout_s: float = Field(
         600.0, gt=0, description="Timeout of the trainer's collectives (DP gradient sums)."
     )
@@ -143,8 +157,97 @@ class MegatronTrainer:
         per_rank = num_samples // dp_size
         return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
 
+    def _micro_batches(
+        self, batch: PackedBatch, advantages: torch.Tensor, mine: slice
+    ) -> list[_MicroBatch]:
+        """This DP rank's samples in micro-batches of one size (pipeline stages exchange
+        activations of a fixed shape): ceil(n / micro_batch_size) of them, as even as possible,
+        the last padded with rows that carry no loss (mask 0)."""
+        device = self.device
+        n = mine.stop - mine.start
+        count = math.ceil(n / self.config.micro_batch_size)
+        size = math.ceil(n / count)
+        pad = count * size - n
+
+        def rows(tensor: torch.Tensor, fill: float) -> torch.Tensor:
+            tensor = tensor[mine]
+            if pad:
+                filler = torch.full((pad, *tensor.shape[1:]), fill, dtype=tensor.dtype)
+                tensor = torch.cat([tensor, filler])
+            return tensor.to(device)
+
+        # The packed batch lives on the CPU; the model on its device (a GPU when there is one).
+        input_ids = rows(batch.input_ids, 0)
+        mask = rows(batch.loss_mask, 0)
+        rollout = rows(batch.rollout_logprobs, 0)
+        advantages = rows(advantages, 0)
+        versions = None if batch.token_versions is None else rows(batch.token_versions, -1)
+        return [
+            _MicroBatch(
+                index=i,
+                input_ids=input_ids[i * size : (i + 1) * size],
+                mask=mask[i * size : (i + 1) * size],
+                rollout_logprobs=rollout[i * size : (i + 1) * size],
+                advantages=advantages[i * size : (i + 1) * size],
+                versions=None if versions is None else versions[i * size : (i + 1) * size],
+            )
+            for i in range(count)
+        ]
+
+    def _schedule(
+        self,
+        model: torch.nn.Module,
+        micro_batches: list[_MicroBatch],
+        loss_of: Callable[[_MicroBatch, torch.Tensor], tuple],
+        *,
+        forward_only: bool,
+    ) -> list:
+        """Megatron's own forward/backward schedule over the micro-batches: no pipelining at
+        PP=1, 1F1B at PP>1 (activations and their gradients sent between stages). `loss_of`
+        runs on the last stage; its outputs' last element is collected and returned there."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            micro = next(data_iterator)
+            output = stage_forward(model, micro.input_ids[:, :-1])
+            return output, functools.partial(loss_of, micro)
+
+        first = micro_batches[0]
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=model,
+            num_microbatches=len(micro_batches),
+            seq_length=first.input_ids.shape[1] - 1,
+            micro_batch_size=first.input_ids.shape[0],
+            forward_only=forward_only,
+        )
+
+    def _logprobs(self, output: torch.Tensor, micro: _MicroBatch, model: torch.nn.Module):
+        return logprobs_from_logits(
+            output,
+            micro.input_ids[:, 1:],
+            vocab_size=self.vocab_size,
+            tp_group=unwrap(model).output_layer.tp_group,
+        )
+
+    def _reference_logprobs(self, micro_batches: list[_MicroBatch]) -> list[torch.Tensor]:
+        """Each micro-batch's log-probs under the frozen reference (on the last stage; [] on
+        the others), by a forward-only pass of the same schedule."""
+        assert self.reference is not None
+        reference = self.reference
+
+        def loss_of(micro: _MicroBatch, output: torch.Tensor):
+            zero = torch.zeros((), device=output.device)
+            return zero, {"logprobs": self._logprobs(output, micro, reference)}
+
+        with torch.no_grad():
+            store = self._schedule(reference, micro_batches, loss_of, forward_only=True)
+        return [item["logprobs"] for item in store]
+
     def train_step(self, batch: PackedBatch, weight_version: int | None = None) -> dict[str, float]:
-        """One optimizer step on `batch` (the same on every rank); returns rank-local metrics.
+        """One optimizer step on `batch` (the same on every rank); returns the step's metrics,
+        the same on every rank (summed over DP, sent from the last pipeline stage).
 
         `weight_version`: the version the engines hold of this trainer's current weights. Samples
         generated entirely by that version must get the same log-probs here as in the engine;
@@ -159,77 +262,69 @@ class MegatronTrainer:
             eps=self.grpo.advantage_eps,
             normalize_std=self.grpo.normalize_std,
         )
-        mine = self._dp_slice(batch.input_ids.shape[0])
-        # The packed batch lives on the CPU; the model on its device (a GPU when there is one).
-        device = self.device
-        input_ids = batch.input_ids[mine].to(device)
-        mask = batch.loss_mask[mine].to(device)
-        rollout_logprobs = batch.rollout_logprobs[mine].to(device)
-        advantages = advantages[mine].to(device)
+        micro_batches = self._micro_batches(
+            batch, advantages, self._dp_slice(batch.input_ids.shape[0])
+        )
+        ref_logprobs = self._reference_logprobs(micro_batches) if self.reference else None
         # Normalise by the whole batch's token count, so micro-batches and DP ranks sum to its mean.
         num_batch_tokens = float(batch.loss_mask.sum())
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        num_tokens = 0.0
-        same_version_diff = same_version_tokens = 0.0
-        for start in range(0, input_ids.shape[0], self.config.micro_batch_size):
-            end = start + self.config.micro_batch_size
-            train_logprobs = token_logprobs(
-                self.model, input_ids[start:end], vocab_size=self.vocab_size
-            )
-            ref_logprobs = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref_logprobs = token_logprobs(
-                        self.reference, input_ids[start:end], vocab_size=self.vocab_size
-                    )
+        stats = _StepStats()
+
+        def loss_of(micro: _MicroBatch, output: torch.Tensor):
+            train_logprobs = self._logprobs(output, micro, self.model)
             loss, metrics = grpo_loss(
                 train_logprobs,
-                rollout_logprobs[start:end],
-                advantages[start:end],
-                mask[start:end],
+                micro.rollout_logprobs,
+                micro.advantages,
+                micro.mask,
                 config=self.grpo,
                 # One update per batch: the policy before it is the one being trained, so truncated
                 # IS weighs exp(old - rollout) with old = the current log-probs, detached.
                 old_logprobs=train_logprobs.detach() if self.grpo.tis_cap is not None else None,
-                ref_logprobs=ref_logprobs,
+                ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro.index],
                 num_batch_tokens=num_batch_tokens,
             )
-            loss.backward()
-            if weight_version is not None and batch.token_versions is not None:
-                # Whole samples only: a sample that straddled a sync (keep pause, clear_cache
-                # false) continues on KV computed by the old weights, so even its new-version
-                # tokens differ from a recompute.
-                versions = batch.token_versions[mine][start:end].to(device)
-                on = mask[start:end] > 0
-                whole = ((versions == weight_version) | ~on).all(dim=1) & on.any(dim=1)
-                same = whole[:, None] & on
-                diff = (train_logprobs.detach() - rollout_logprobs[start:end]).abs()
-                same_version_diff += float(diff[same].sum())
-                same_version_tokens += float(same.sum())
-            # Each micro-batch's loss is its share of the batch loss: sum it. Other metrics are
-            # means over the micro-batch's tokens: weight them by its token count.
-            micro_tokens = float(mask[start:end].sum())
-            num_tokens += micro_tokens
-            for key, value in metrics.items():
-                weight = 1.0 if key in ("loss", "num_tokens") else micro_tokens
-                sums[key] = sums.get(key, 0.0) + weight * value
+            stats.add(metrics, float(micro.mask.sum()))
+            if weight_version is not None and micro.versions is not None:
+                stats.add_same_version(train_logprobs.detach(), micro, weight_version)
+            # (loss, token count, collected): the schedule backpropagates the loss as it is.
+            return loss, torch.tensor(int(micro.mask.sum()), dtype=torch.int), {}
+
+        self.optimizer.zero_grad(set_to_none=True)
+        self._schedule(self.model, micro_batches, loss_of, forward_only=False)
         self._reduce_gradients()
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.num_steps += 1
-        metrics = {
-            key: value if key in ("loss", "num_tokens") else value / max(num_tokens, 1.0)
-            for key, value in sums.items()
-        }
-        if same_version_tokens:
-            metrics["logprob_diff_same_version"] = same_version_diff / same_version_tokens
-        metrics["same_version_token_fraction"] = same_version_tokens / max(num_tokens, 1.0)
+        metrics = self._share_metrics(stats)
         metrics["grad_norm"] = float(grad_norm)
         metrics["time_s"] = time.monotonic() - started
         if not math.isfinite(metrics["grad_norm"]):
             raise FloatingPointError(f"non-finite gradient norm at step {self.num_steps}")
         return metrics
+
+    def _share_metrics(self, stats: _StepStats) -> dict[str, float]:
+        """The last stage's metrics summed over DP, then sent to every stage (as JSON bytes)."""
+        from megatron.core import parallel_state
+
+        timeout = timedelta(seconds=self.config.collective_timeout_s)
+        metrics: dict[str, float] = {}
+        if self.topology.is_last_stage:
+            if self.topology.dp_size > 1:
+                stats.all_reduce(self.dp_group, timeout)
+            metrics = stats.metrics()
+        if self.topology.pp_size == 1:
+            return metrics
+        group = parallel_state.get_pipeline_model_parallel_group()
+        source = parallel_state.get_pipeline_model_parallel_last_rank()
+        payload = json.dumps(metrics).encode() if self.topology.is_last_stage else b""
+        length = torch.tensor([len(payload)], dtype=torch.int64)
+        dist.broadcast(length, src=source, group=group, async_op=True).wait(timeout)
+        data = torch.zeros(int(length), dtype=torch.uint8)
+        if payload:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        dist.broadcast(data, src=source, group=group, async_op=True).wait(timeout)
+        return json.loads(bytes(data.tolist()).decode())
 
     @property
     def device(self) -> torch.device:
@@ -241,23 +336,25 @@ class MegatronTrainer:
             return float(sum(p.double().abs().sum() for p in self.model.parameters()))
 
     def _clip_gradients(self) -> float:
-        """Clip by the global norm over the whole model; every TP rank gets the same factor.
+        """Clip by the global norm over the whole model; every rank gets the same factor.
 
         A TP-sharded parameter contributes its shard on every TP rank; a replicated one (norms,
-        biases of row-parallel layers) only on TP rank 0, so the sum over TP counts it once.
+        biases of row-parallel layers) only on TP rank 0; each pipeline stage its own layers,
+        the last stage's copy of a tied embedding (`shared`) not at all. The sum over the
+        model-parallel (TP x PP) group then counts every element once.
         """
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         for param in self.model.parameters():
-            if param.grad is None:
+            if param.grad is None or getattr(param, "shared", False):
                 continue
             sharded = getattr(param, "tensor_model_parallel", False)
             if sharded or self.topology.tp_rank == 0:
                 squares += param.grad.detach().double().pow(2).sum()
-        if self.topology.tp_size > 1:
+        if self.topology.tp_size * self.topology.pp_size > 1:
             from megatron.core import parallel_state
 
             work = dist.all_reduce(
-                squares, group=parallel_state.get_tensor_model_parallel_group(), async_op=True
+                squares, group=parallel_state.get_model_parallel_group(), async_op=True
             )
             work.wait(timedelta(seconds=self.config.collective_timeout_s))
         total_norm = float(squares.sqrt())
@@ -269,12 +366,99 @@ class MegatronTrainer:
         return total_norm
 
     def _reduce_gradients(self) -> None:
-        """Sum gradients over data-parallel ranks (the loss already divides by global tokens)."""
+        """Sum gradients over data-parallel ranks (the loss already divides by global tokens),
+        and a tied embedding's over its two copies (first and last pipeline stage)."""
+        timeout = timedelta(seconds=self.config.collective_timeout_s)
+        tied = unwrap(self.model).share_embeddings_and_output_weights
+        if tied and self.topology.pp_size > 1:
+            from megatron.core import parallel_state
+
+            if self.topology.is_first_stage or self.topology.is_last_stage:
+                weight = unwrap(self.model).shared_embedding_or_output_weight()
+                if weight.grad is None:
+                    weight.grad = torch.zeros_like(weight)
+                group = parallel_state.get_embedding_group()
+                dist.all_reduce(weight.grad, group=group, async_op=True).wait(timeout)
         if self.topology.dp_size == 1:
             return
-        timeout = timedelta(seconds=self.config.collective_timeout_s)
         for param in self.model.parameters():
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             work = dist.all_reduce(param.grad, group=self.dp_group, async_op=True)
             work.wait(timeout)
+
+
+@dataclass
+class _MicroBatch:
+    """One micro-batch of this DP rank's samples (rows past the real ones have mask 0)."""
+
+    index: int
+    input_ids: torch.Tensor  # [size, seq]
+    mask: torch.Tensor  # [size, seq - 1], 1 on response tokens
+    rollout_logprobs: torch.Tensor  # [size, seq - 1]
+    advantages: torch.Tensor  # [size]
+    versions: torch.Tensor | None  # [size, seq - 1] weight version of each token, -1 on padding
+
+
+class _StepStats:
+    """The loss metrics of one step's micro-batches, on the last stage: `loss` and `num_tokens`
+    summed, `*_max` maxed, the rest token-weighted means."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.maxes: dict[str, float] = {}
+        self.num_tokens = 0.0
+        self.same_version_diff = 0.0
+        self.same_version_tokens = 0.0
+
+    def add(self, metrics: dict[str, float], num_tokens: float) -> None:
+        self.num_tokens += num_tokens
+        for key, value in metrics.items():
+            if key.endswith("_max"):
+                self.maxes[key] = max(self.maxes.get(key, -math.inf), value)
+            else:
+                weight = 1.0 if key in ("loss", "num_tokens") else num_tokens
+                self.sums[key] = self.sums.get(key, 0.0) + weight * value
+
+    def add_same_version(
+        self, train_logprobs: torch.Tensor, micro: _MicroBatch, weight_version: int
+    ) -> None:
+        """|train - rollout| on samples generated entirely by `weight_version`. Whole samples
+        only: one that straddled a sync (keep pause, clear_cache false) continues on KV computed
+        by the old weights, so even its new-version tokens differ from a recompute."""
+        assert micro.versions is not None
+        on = micro.mask > 0
+        whole = ((micro.versions == weight_version) | ~on).all(dim=1) & on.any(dim=1)
+        same = whole[:, None] & on
+        diff = (train_logprobs - micro.rollout_logprobs).abs()
+        self.same_version_diff += float(diff[same].sum())
+        self.same_version_tokens += float(same.sum())
+
+    def all_reduce(self, group: Any, timeout: timedelta) -> None:
+        """Sum (max) over the data-parallel ranks, which hold the same keys."""
+        sum_keys, max_keys = sorted(self.sums), sorted(self.maxes)
+        sums = torch.tensor(
+            [self.sums[k] for k in sum_keys]
+            + [self.num_tokens, self.same_version_diff, self.same_version_tokens],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(sums, group=group, async_op=True).wait(timeout)
+        *values, self.num_tokens, self.same_version_diff, self.same_version_tokens = sums.tolist()
+        self.sums = dict(zip(sum_keys, values, strict=True))
+        if max_keys:
+            maxes = torch.tensor([self.maxes[k] for k in max_keys], dtype=torch.float64)
+            work = dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group, async_op=True)
+            work.wait(timeout)
+            self.maxes = dict(zip(max_keys, maxes.tolist(), strict=True))
+
+    def metrics(self) -> dict[str, float]:
+        tokens = max(self.num_tokens, 1.0)
+        metrics = {
+            key: value if key in ("loss", "num_tokens") else value / tokens
+            for key, value in self.sums.items()
+        }
+        metrics.update(self.maxes)
+        if self.same_version_tokens:
+            metrics["logprob_diff_same_version"] = self.same_version_diff / self.same_version_tokens
+        metrics["same_version_token_fraction"] = self.same_version_tokens / tokens
+        return metrics

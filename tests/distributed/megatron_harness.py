@@ -10,6 +10,8 @@ when the deadline passes.
 
 from __future__ import annotations
 
+import json
+import shutil
 import socket
 import time
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=90)
 
@@ -43,6 +46,21 @@ class Job:
     # Forces vocab padding: 512 -> 576 at TP1 and TP2.
     make_vocab_size_divisible_by: int = 96
     input_ids: tuple[tuple[int, ...], ...] = field(default=())
+
+
+def build_tied_variant(src: Path, out: Path) -> Path:
+    """The same checkpoint with tie_word_embeddings=True and no lm_head.weight."""
+    out.mkdir(parents=True, exist_ok=True)
+    for file in src.iterdir():
+        if file.name not in ("model.safetensors", "config.json"):
+            shutil.copy(file, out / file.name)
+    config = json.loads((src / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (out / "config.json").write_text(json.dumps(config))
+    state = load_file(src / "model.safetensors")
+    del state["lm_head.weight"]
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return out
 
 
 def free_port() -> int:

@@ -10,14 +10,12 @@ PP=1 the Megatron logits and log-probs must match HF transformers on the same we
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from megatron_harness import Case, Job, run_workers
-from safetensors.torch import load_file, save_file
+from megatron_harness import Case, Job, build_tied_variant, run_workers
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.distributed
 
@@ -25,21 +23,6 @@ DENSE_PRESETS = ("qwen2-tiny", "qwen3-tiny", "llama-tiny")
 MOE_PRESET = "qwen3-moe-tiny"
 DTYPES = ("float32", "bfloat16")
 INPUT_IDS = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
-
-
-def _build_tied_variant(src: Path, out: Path) -> Path:
-    """The same checkpoint with tie_word_embeddings=True and no lm_head.weight."""
-    out.mkdir(parents=True, exist_ok=True)
-    for file in src.iterdir():
-        if file.name not in ("model.safetensors", "config.json"):
-            shutil.copy(file, out / file.name)
-    config = json.loads((src / "config.json").read_text())
-    config["tie_word_embeddings"] = True
-    (out / "config.json").write_text(json.dumps(config))
-    state = load_file(src / "model.safetensors")
-    del state["lm_head.weight"]
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +35,7 @@ def models(model_builder, tmp_path_factory) -> dict[tuple[str, str], str]:
             dirs[preset, dtype] = str(model_builder(preset, dtype))
     for dtype in DTYPES:
         src = Path(dirs["qwen2-tiny", dtype])
-        dirs["qwen2-tied", dtype] = str(_build_tied_variant(src, root / f"qwen2-tied-{dtype}"))
+        dirs["qwen2-tied", dtype] = str(build_tied_variant(src, root / f"qwen2-tied-{dtype}"))
     return dirs
 
 

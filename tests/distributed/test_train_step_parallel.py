@@ -1,10 +1,14 @@
 """`MegatronTrainer.train_step` on several gloo ranks equals the same step on one rank.
 
 Every layout trains the same tiny Qwen2 on the same packed batch (fixed token ids, rewards and
-rollout log-probs) for two AdamW steps: TP2 (vocab-parallel log-probs, the TP all-reduce of the
-clipping norm), DP2 (each rank its half of the groups, gradients summed over DP, the loss
-normalised by the whole batch's tokens), and the one-rank reference with micro-batches of the
-same size; a KL penalty (k3) to the frozen reference model is part of the loss. The loss and
+rollout log-probs) for two AdamW steps through megatron's own schedule: TP2 (vocab-parallel
+log-probs, the TP all-reduce of the clipping norm), DP2 (each rank its half of the groups,
+gradients summed over DP, the loss normalised by the whole batch's tokens), PP2 (1F1B over two
+stages of one layer each: activations and their gradients sent between stages, the loss on the
+last), TP2xPP2 (4 ranks), and PP2 on a tied-embedding variant (the embedding's gradient summed
+over its first- and last-stage copies, which must stay equal); against the one-rank reference
+with micro-batches of the same size; a KL penalty (k3) to the frozen reference model (run
+through the same schedule, forward only) is part of the loss. The loss and
 gradient norm of both steps and the first step's clipped gradients
 (gathered back to HF names) must match the reference within float32 tolerance. The parameters
 after both steps get a looser bound: AdamW's first steps move each element by about lr whatever
@@ -18,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron_harness import COLLECTIVE_TIMEOUT, init_gloo_rank, spawn_ranks
+from megatron_harness import COLLECTIVE_TIMEOUT, build_tied_variant, init_gloo_rank, spawn_ranks
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.distributed
@@ -27,6 +31,7 @@ GROUPS, GROUP_SIZE, SEQ = 4, 4, 12  # 16 samples: 2 groups per rank at DP2
 STEPS = 2
 LR = 1e-2
 KL_COEF = 0.5
+GRAD_CLIP = 0.3  # below every layout's first gradient norm: clipping acts
 
 
 def _batch():
@@ -45,20 +50,28 @@ def _batch():
     return PackedBatch(input_ids, mask, logprobs, rewards, GROUP_SIZE)
 
 
-def _worker(rank: int, world_size: int, port: int, tp: int, model_dir: str, out_dir: str) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, tp: int, pp: int, model_dir: str, out_dir: str
+) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     from vime.megatron.gather import GatherGroups, gather_hf_weights
-    from vime.megatron.model import initialize_model_parallel
+    from vime.megatron.model import initialize_model_parallel, unwrap
     from vime.rl.loss import GRPOConfig
     from vime.trainer import MegatronTrainer, TrainerConfig
 
     init_gloo_rank(rank, world_size, port)
-    topology = initialize_model_parallel(tp=tp, timeout=COLLECTIVE_TIMEOUT)
+    topology = initialize_model_parallel(tp=tp, pp=pp, timeout=COLLECTIVE_TIMEOUT)
     dp_group = parallel_state.get_data_parallel_group() if topology.dp_size > 1 else None
     # grad_clip small enough that clipping acts: the TP-summed norm decides the factor.
-    config = TrainerConfig(tensor_parallel_size=tp, lr=LR, micro_batch_size=4, grad_clip=0.5)
+    config = TrainerConfig(
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        lr=LR,
+        micro_batch_size=4,
+        grad_clip=GRAD_CLIP,
+    )
     # With a KL penalty to the frozen reference (sharded like the policy): 0 at the first step,
     # part of the loss and gradients at the second.
     grpo = GRPOConfig(kl_coef=KL_COEF)
@@ -91,50 +104,93 @@ def _worker(rank: int, world_size: int, port: int, tp: int, model_dir: str, out_
     metrics = [trainer.train_step(_batch())]
     grads = gathered_grads()  # of the first step, taken at the same weights on every layout
     metrics += [trainer.train_step(_batch()) for _ in range(STEPS - 1)]
-    result = {"metrics": metrics, "weights": gathered(), "grads": grads}
+    result = {"metrics": metrics, "weights": gathered(), "grads": grads, "topology": topology}
+    gpt = unwrap(trainer.model)
+    if gpt.share_embeddings_and_output_weights and (gpt.pre_process or gpt.post_process):
+        # The tied embedding on the first stage, its copy (the output layer) on the last.
+        result["tied"] = gpt.shared_embedding_or_output_weight().detach().clone()
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _train(world_size: int, tp: int, model_dir: Path, out_dir: Path) -> list[dict]:
+def _train(world_size: int, tp: int, pp: int, model_dir: Path, out_dir: Path) -> list[dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    spawn_ranks(
-        _worker, world_size, (tp, str(model_dir), str(out_dir)), timeout_s=300, what=f"tp{tp}"
-    )
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
+    what = f"tp{tp} pp{pp} world {world_size}"
+    args = (tp, pp, str(model_dir), str(out_dir))
+    spawn_ranks(_worker, world_size, args, timeout_s=300, what=what)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir, tmp_path_factory):
-    return _train(1, 1, tiny_model_dir, tmp_path_factory.mktemp("one-rank"))[0]
+def tied_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    return build_tied_variant(tiny_model_dir, tmp_path_factory.mktemp("tied"))
 
 
-@pytest.mark.parametrize(("layout", "tp"), [("tp2", 2), ("dp2", 1)])
-def test_two_ranks_train_like_one(reference, tiny_model_dir, tmp_path, layout, tp):
-    ranks = _train(2, tp, tiny_model_dir, tmp_path / layout)
+@pytest.fixture(scope="module")
+def references(tiny_model_dir, tied_model_dir, tmp_path_factory):
+    """One-rank runs, lazily: model dir -> rank 0's result."""
+    results: dict[Path, dict] = {}
+
+    def reference(model_dir: Path) -> dict:
+        if model_dir not in results:
+            out = tmp_path_factory.mktemp("one-rank")
+            results[model_dir] = _train(1, 1, 1, model_dir, out)[0]
+        return results[model_dir]
+
+    return reference
+
+
+def _merged(ranks: list[dict], key: str) -> dict[str, torch.Tensor]:
+    """The pp senders' gathered tensors (each its stage's), as one state dict."""
+    merged: dict[str, torch.Tensor] = {}
+    for result in ranks:
+        if result["topology"].is_pp_sender:
+            assert not merged.keys() & result[key].keys()
+            merged.update(result[key])
+    return merged
+
+
+@pytest.mark.parametrize(
+    ("layout", "world_size", "tp", "pp", "tied"),
+    [
+        ("tp2", 2, 2, 1, False),
+        ("dp2", 2, 1, 1, False),
+        ("pp2", 2, 1, 2, False),
+        ("tp2pp2", 4, 2, 2, False),
+        ("pp2-tied", 2, 1, 2, True),
+    ],
+)
+def test_parallel_layouts_train_like_one_rank(
+    references, tiny_model_dir, tied_model_dir, tmp_path, layout, world_size, tp, pp, tied
+):
+    model_dir = tied_model_dir if tied else tiny_model_dir
+    reference = references(model_dir)
+    ranks = _train(world_size, tp, pp, model_dir, tmp_path / layout)
     for step, expected in enumerate(reference["metrics"]):
         for rank, result in enumerate(ranks):
             got = result["metrics"][step]
-            # The loss is summed over this rank's micro-batches: at DP2 each rank holds its half.
-            loss = sum(r["metrics"][step]["loss"] for r in ranks) if tp == 1 else got["loss"]
-            assert loss == pytest.approx(expected["loss"], rel=1e-4, abs=1e-6), (rank, step)
-            # grad_norm is global: after the DP sum, and summed over TP before clipping.
+            # Every rank reports the step's metrics: summed over DP, sent from the last stage.
+            assert got["loss"] == pytest.approx(expected["loss"], rel=1e-4, abs=1e-6), (rank, step)
+            assert got["num_tokens"] == expected["num_tokens"]
+            assert got["kl_ref"] == pytest.approx(expected["kl_ref"], rel=1e-3, abs=1e-9)
+            # grad_norm is global: after the DP sum, and summed over TP and PP before clipping.
             assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
-    assert reference["metrics"][0]["grad_norm"] > 0.5  # clipping acted
+    assert reference["metrics"][0]["grad_norm"] > GRAD_CLIP  # clipping acted
     # The reference is the initial weights: no KL before the first update, some after it.
     assert reference["metrics"][0]["kl_ref"] == 0.0
     assert reference["metrics"][1]["kl_ref"] > 1e-6
-    if tp == 2:
-        kl = ranks[0]["metrics"][1]["kl_ref"]
-        assert kl == pytest.approx(reference["metrics"][1]["kl_ref"], rel=1e-3)
-    # Rank 0 is the pp sender: it holds the gathered model.
-    grads, weights = ranks[0]["grads"], ranks[0]["weights"]
+    grads, weights = _merged(ranks, "grads"), _merged(ranks, "weights")
     assert grads.keys() == weights.keys() == reference["weights"].keys()
+    if tied:
+        # The tied embedding's two copies (first stage, last stage) took the same updates.
+        copies = [r["tied"] for r in ranks if "tied" in r]
+        assert len(copies) == 2
+        torch.testing.assert_close(copies[0], copies[1], rtol=0, atol=0)
     for name, expected in reference["grads"].items():
         scale = float(expected.abs().max())
         torch.testing.assert_close(grads[name], expected, rtol=1e-3, atol=1e-5 * scale, msg=name)
-    original = load_file(tiny_model_dir / "model.safetensors")
+    original = load_file(model_dir / "model.safetensors")
     for name, expected in reference["weights"].items():
         assert not torch.equal(expected, original[name]), f"{name} was not updated"
         torch.testing.assert_close(weights[name], expected, rtol=0, atol=2 * STEPS * LR, msg=name)

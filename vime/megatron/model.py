@@ -129,6 +129,10 @@ def transformer_config(
         "persist_layer_norm": False,
         "apply_rope_fusion": False,
         "gradient_accumulation_fusion": False,
+        # vime's losses arrive at megatron's schedule already normalised by the whole batch's
+        # token count (gradient accumulation over micro-batches and DP ranks sums to the batch
+        # mean): the schedule must not divide them again by the micro-batch count.
+        "calculate_per_token_loss": True,
     }
     if converter.moe:
         fields.update(
@@ -302,14 +306,24 @@ def causal_attention_mask(seq_len: int, device: torch.device | str = "cpu") -> t
     return torch.triu(ones, diagonal=1)[None, None]
 
 
-def _local_logits(model: torch.nn.Module, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-    gpt = unwrap(model)
-    if not (gpt.pre_process and gpt.post_process):
-        raise ValueError("forward_logits / token_logprobs need the whole model on this rank (PP=1)")
+def stage_forward(model: torch.nn.Module, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """This pipeline stage's forward on [batch, seq] token ids.
+
+    The first stage embeds `input_ids`; later stages read the previous stage's activations, set
+    by megatron's schedule (`set_input_tensor`). The last stage returns its TP shard of the logits
+    [batch, seq, vocab / tp]; the others their hidden states [seq, batch, hidden].
+    """
     batch, seq_len = input_ids.shape
     position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len)
     mask = causal_attention_mask(seq_len, input_ids.device)
     return model(input_ids, position_ids, mask, **kwargs)
+
+
+def _local_logits(model: torch.nn.Module, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    gpt = unwrap(model)
+    if not (gpt.pre_process and gpt.post_process):
+        raise ValueError("forward_logits / token_logprobs need the whole model on this rank (PP=1)")
+    return stage_forward(model, input_ids, **kwargs)
 
 
 def forward_logits(
@@ -325,22 +339,36 @@ def token_logprobs(
 ) -> torch.Tensor:
     """[batch, seq - 1] float32 log-probs of input_ids[:, 1:] given their prefixes (PP=1).
 
-    Vocab-parallel: the logits stay split over TP (megatron's vocab_parallel_cross_entropy);
-    padded vocab columns are masked to -inf first so they take no probability mass.
     Differentiable. Megatron refuses MoE + TP>1 in training mode unless the config sets
     sequence_parallel; call model.eval() for scoring-only passes.
+    """
+    logits = _local_logits(model, input_ids[:, :-1])
+    return logprobs_from_logits(
+        logits,
+        input_ids[:, 1:],
+        vocab_size=vocab_size,
+        tp_group=unwrap(model).output_layer.tp_group,
+    )
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, tp_group: Any
+) -> torch.Tensor:
+    """[batch, seq] float32 log-probs of `targets` under this TP rank's logits shard.
+
+    Vocab-parallel: the logits stay split over TP (megatron's vocab_parallel_cross_entropy);
+    padded vocab columns are masked to -inf first so they take no probability mass.
     """
     import torch.distributed as dist
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    logits = _local_logits(model, input_ids[:, :-1]).float()
-    tp_group = unwrap(model).output_layer.tp_group
+    logits = logits.float()
     local_vocab = logits.shape[-1]
     start = dist.get_rank(tp_group) * local_vocab if dist.get_world_size(tp_group) > 1 else 0
     columns = torch.arange(start, start + local_vocab, device=logits.device)
     logits = logits.masked_fill(columns >= vocab_size, float("-inf"))
     # megatron wants [seq, batch, vocab]; it returns -log p(target).
     nll = vocab_parallel_cross_entropy(
-        logits.transpose(0, 1).contiguous(), input_ids[:, 1:].t().contiguous()
+        logits.transpose(0, 1).contiguous(), targets.t().contiguous()
     )
     return -nll.t()
