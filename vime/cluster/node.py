@@ -21,7 +21,7 @@ import os
 
 from vime.cluster.addresses import HOST_IP_ENV, node_address
 from vime.cluster.ray_cluster import ENGINE_RESOURCE_UNITS, NODE_RESOURCE_PREFIX
-from vime.utils.net import free_port
+from vime.utils.net import free_ports
 
 
 def slurm_node_name() -> str:
@@ -40,8 +40,12 @@ def ray_start_argv(
     engine_resource: str | None = None,
     temp_dir: str | None = None,
     dashboard_agent_port: int | None = None,
+    client_server_port: int | None = None,
 ) -> list[str]:
-    """`ray start --block` for this node: the head (head_port) or a worker (head_address)."""
+    """`ray start --block` for this node: the head (head_port) or a worker (head_address).
+
+    The head's client server listens on `client_server_port` (None: head_port + 1, which the
+    caller must know to be free)."""
     if (head_port is None) == (head_address is None):
         raise ValueError("give exactly one of head_port (the head) and head_address (a worker)")
     resources = {f"{NODE_RESOURCE_PREFIX}{node_name}": 1}
@@ -52,8 +56,8 @@ def ray_start_argv(
         argv += [
             "--head",
             f"--port={head_port}",
-            # Ray's client server takes 10001 unless told; next to the GCS port instead.
-            f"--ray-client-server-port={head_port + 1}",
+            # Ray's client server takes 10001 unless told (one fixed port per machine).
+            f"--ray-client-server-port={client_server_port or head_port + 1}",
             "--include-dashboard=false",
         ]
     else:
@@ -130,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     address = node_address(interface=args.interface)
     if args.command == "ray":
+        agent_port, client_port = free_ports(address, 2)
         _exec(
             ray_start_argv(
                 address=address,
@@ -138,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
                 head_address=args.address,
                 engine_resource=args.engine_resource,
                 temp_dir=args.temp_dir,
-                dashboard_agent_port=free_port(address),
+                dashboard_agent_port=agent_port,
+                client_server_port=client_port,
             ),
             address,
         )

@@ -108,9 +108,11 @@ def _start_local_head(cluster: ClusterConfig, node_address: str) -> str:
     SIGKILLed). Its own temp dir (no "current cluster" file another job would find) and token."""
     from vime.cluster.node import ray_start_argv
     from vime.rollout.keeper import spawn_kept
-    from vime.utils.net import free_port
+    from vime.utils.net import free_ports
 
-    port = free_port(node_address)
+    # Three distinct free ports: the GCS, Ray's client server, the dashboard agent. (The client
+    # server once took port + 1, which something else held now and then: the head died.)
+    port, client_port, agent_port = free_ports(node_address, 3)
     temp_dir = tempfile.mkdtemp(prefix="vime-ray-")  # short: Ray's socket paths must fit 107 chars
     argv = ray_start_argv(
         address=node_address,
@@ -119,7 +121,8 @@ def _start_local_head(cluster: ClusterConfig, node_address: str) -> str:
         engine_resource=cluster.engine_resource,
         temp_dir=temp_dir,
         # Ray's default (52365) is one fixed port per machine: a second Ray there fails to start.
-        dashboard_agent_port=free_port(node_address),
+        dashboard_agent_port=agent_port,
+        client_server_port=client_port,
     )
     ray_cli = [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; main()"]
     # Token auth for the head, its processes and this driver. Ray caches both the mode and the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import socket
 
@@ -21,6 +22,18 @@ def free_port(address: str = "127.0.0.1", port_range: tuple[int, int] | None = N
         f"no free port at {address} in {candidates[0]}-{candidates[-1]}: widen the range or stop "
         "what holds those ports"
     )
+
+
+def free_ports(address: str, count: int) -> list[int]:
+    """`count` distinct ports nothing listens on at `address` (all held bound until chosen, so
+    no two are the same). Free when this returns; bind them soon."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((address, 0))
+            ports.append(sock.getsockname()[1])
+        return ports
 
 
 def is_loopback(address: str) -> bool:
