@@ -52,6 +52,7 @@ from vime.rl.evaluate import EvalConfig, eval_metrics
 from vime.rl.loss import GRPOConfig
 from vime.rl.metrics import MetricsWriter, drop_rows_from, prefixed
 from vime.rl.rollout import RolloutConfig
+from vime.rl.sft import SFTConfig, load_demonstrations, sft_batch
 from vime.rollout.auth import new_token
 from vime.rollout.recovery import EngineRecovery
 from vime.rollout.watchdog import EngineWatchdog
@@ -95,9 +96,14 @@ class TrainConfig(StrictModel):
     rollout: RolloutConfig = Field(description="Prompts, sampling and rewards.")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    sft: SFTConfig = Field(
+        default_factory=SFTConfig,
+        description="Supervised warm start on demonstrations before RL (off by default).",
+    )
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(
-        default_factory=EvalConfig, description="Held-out evaluation before and after training."
+        default_factory=EvalConfig,
+        description="Held-out evaluation before training, after SFT (if any) and after RL.",
     )
     cluster: ClusterConfig = Field(
         default_factory=ClusterConfig,
@@ -491,7 +497,8 @@ def _run_loop(
     evaluations: dict[str, Any] = {}  # "before"/"after": scores; "after_error": why not
 
     def evaluate(when: str, step: int) -> None:
-        """Rank 0: greedy pass@1 on the held-out prompts through the engines, as they are now."""
+        """Rank 0: greedy pass@1 on the held-out prompts through the engines, as they are now.
+        `when`: before (the initial model), after_sft, after (RL)."""
         if rollouts is None or writer is None or config.eval.prompts_path is None:
             return
         future = rollouts.evaluate(config.eval.rollout_config(config.rollout))
@@ -504,13 +511,24 @@ def _run_loop(
                 f"{config.eval.timeout_s:g} s (raise it, or use fewer eval prompts)"
             ) from None
         scores["eval/weight_version"] = float(updater.weight_version)
-        writer.log_eval(step, scores)
+        writer.log_eval(step, scores, stage=when)
         evaluations[when] = scores
         logger.info("held-out eval %s step %d: pass@1 %.3f", when, step, scores["eval/pass_at_1"])
 
     job_start = time.time()
     try:
         evaluate("before", start_step)
+        if config.sft.enabled and resumed is None:
+            sft = _supervised_stage(config, trainer, tokenizer, run_dir, rank)
+            if rank == 0:
+                summary["sft"] = sft
+            report = updater.update_weights()
+            logger.info(
+                "engines synced to the SFT weights (version %d) in %.2f s",
+                updater.weight_version,
+                report.total_s,
+            )
+            evaluate("after_sft", start_step)
         pending = None
         if rollouts is not None and config.loop == "async" and start_step < config.num_steps:
             pending = rollouts.submit(start_step)
@@ -578,6 +596,7 @@ def _run_loop(
             rollouts.close()
             writer.close()
             summary = {
+                **summary,
                 "wall_s": time.time() - job_start,
                 **(
                     {"engine_restarts": recovery.num_restarts, "recovery_s": recovery.recovery_s}
@@ -594,6 +613,39 @@ def _run_loop(
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         updater.close()
     return summary
+
+
+def _supervised_stage(
+    config: TrainConfig, trainer: Any, tokenizer: Any, run_dir: Path, rank: int
+) -> dict[str, float]:
+    """Every rank: `sft.num_steps` supervised steps (rank 0 writes run_dir/sft.jsonl), then
+    the trainer starts RL from these weights. Returns the first and last steps' loss."""
+    records = load_demonstrations(str(config.sft.data_path))
+    trainer.start_sft(config.sft.lr)
+    started = time.time()
+    losses = []
+    rows = []
+    for step in range(config.sft.num_steps):
+        input_ids, loss_mask = sft_batch(records, step, config.sft, tokenizer)
+        metrics = trainer.sft_step(input_ids, loss_mask)
+        losses.append(metrics["loss"])
+        rows.append({"step": step, **prefixed(metrics, "sft/")})
+        if step % 10 == 0 or step + 1 == config.sft.num_steps:
+            logger.info(
+                "sft step %d: loss %.4f, confident %.3f",
+                step,
+                metrics["loss"],
+                metrics["confident_fraction"],
+            )
+    trainer.start_rl()
+    if rank == 0:
+        (run_dir / "sft.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return {
+        "sft/num_steps": float(config.sft.num_steps),
+        "sft/loss_first": losses[0],
+        "sft/loss_last": losses[-1],
+        "sft/wall_s": time.time() - started,
+    }
 
 
 class _Recover:

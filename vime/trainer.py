@@ -129,13 +129,16 @@ class MegatronTrainer:
         load_hf_checkpoint(self.model, model_path, converter=self.converter, topology=topology)
         # The KL penalty's reference policy: the initial weights, sharded like the policy, frozen.
         self.reference = self._frozen_copy(model_path) if grpo.kl_coef > 0 else None
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=config.lr,
-            betas=config.betas,
-            weight_decay=config.weight_decay,
-        )
+        self.optimizer = self._new_optimizer()
         self.num_steps = 0
+
+    def _new_optimizer(self, lr: float | None = None) -> torch.optim.AdamW:
+        return torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=self.config.lr if lr is None else lr,
+            betas=self.config.betas,
+            weight_decay=self.config.weight_decay,
+        )
 
     def _frozen_copy(self, model_path: str) -> torch.nn.Module:
         model = build_gpt_model(
@@ -302,6 +305,63 @@ class MegatronTrainer:
         if not math.isfinite(metrics["grad_norm"]):
             raise FloatingPointError(f"non-finite gradient norm at step {self.num_steps}")
         return metrics
+
+    def sft_step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, float]:
+        """One supervised step: mean next-token cross-entropy over the masked tokens of the
+        whole batch (the same on every rank); returns its metrics, the same on every rank."""
+        started = time.monotonic()
+        self.model.train()
+        num = input_ids.shape[0]
+        batch = PackedBatch(input_ids, loss_mask, torch.zeros_like(loss_mask), torch.zeros(num), 1)
+        micro_batches = self._micro_batches(batch, torch.zeros(num), self._dp_slice(num))
+        num_batch_tokens = float(loss_mask.sum())
+        stats = _StepStats()
+
+        def loss_of(micro: _MicroBatch, output: torch.Tensor):
+            logprobs = self._logprobs(output, micro, self.model)
+            loss = -(logprobs * micro.mask).sum() / num_batch_tokens
+            tokens = float(micro.mask.sum())
+            with torch.no_grad():
+                # Targets given probability > 1/2 (so certainly the greedy choice).
+                confident = (logprobs > math.log(0.5)).float()
+                stats.add(
+                    {
+                        "loss": loss.item(),
+                        "num_tokens": tokens,
+                        "confident_fraction": float((confident * micro.mask).sum())
+                        / max(tokens, 1),
+                    },
+                    tokens,
+                )
+            return loss, torch.tensor(int(tokens), dtype=torch.int), {}
+
+        self.optimizer.zero_grad(set_to_none=True)
+        self._schedule(self.model, micro_batches, loss_of, forward_only=False)
+        self._reduce_gradients()
+        grad_norm = self._clip_gradients()
+        self.optimizer.step()
+        metrics = self._share_metrics(stats)
+        metrics.pop("same_version_token_fraction", None)
+        metrics["grad_norm"] = float(grad_norm)
+        metrics["time_s"] = time.monotonic() - started
+        if not math.isfinite(metrics["grad_norm"]):
+            raise FloatingPointError("non-finite gradient norm in a supervised step")
+        return metrics
+
+    def start_sft(self, lr: float | None = None) -> None:
+        """Before a supervised stage: a fresh optimizer at `lr` (None: trainer.lr)."""
+        self.optimizer = self._new_optimizer(lr)
+
+    def start_rl(self) -> None:
+        """After a supervised stage: RL starts from these weights with a fresh optimizer, and
+        the KL penalty's reference becomes them (the SFT model), as in real post-training."""
+        self.optimizer = self._new_optimizer()
+        if self.reference is not None:
+            with torch.no_grad():
+                for ref, param in zip(
+                    self.reference.parameters(), self.model.parameters(), strict=True
+                ):
+                    ref.copy_(param)
 
     def _share_metrics(self, stats: _StepStats) -> dict[str, float]:
         """The last stage's metrics summed over DP, then sent to every stage (as JSON bytes)."""

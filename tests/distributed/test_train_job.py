@@ -1,8 +1,9 @@
 """The RL job end to end, CI-sized: torchrun trainer ranks, a real vLLM CPU engine, sync every step.
 
 Runs `torchrun -m vime.train` on the repo's own configs with a few steps and checks what the run
-recorded: versions advance every step, engine weights equal the trainer's after each sync
-(verify_checksums), the async loop overlaps generation and training, nothing is lost.
+recorded: the main job's supervised stage and held-out evaluations, versions advance every step,
+engine weights equal the trainer's after each sync (verify_checksums), the async loop overlaps
+generation and training, nothing is lost.
 """
 
 from __future__ import annotations
@@ -60,21 +61,27 @@ def _free_port() -> int:
     return free_port()
 
 
-def test_async_job_syncs_every_step_and_overlaps(tmp_path, tiny_model_dir):
-    num_steps = 4
+def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny_model_dir):
+    """The README's main job (SFT warm start, then async GRPO), shortened."""
+    num_steps, sft_steps = 4, 10
     run_dir, rows = run_job(
-        "tiny_cpu_async.yaml",
+        "tiny_cpu_sft_rl.yaml",
         tmp_path,
         tiny_model_dir,
         f"num_steps={num_steps}",
+        f"sft.num_steps={sft_steps}",
         "weight_sync.verify_checksums=true",
         "rollout.num_prompts_per_step=4",
         "rollout.num_samples_per_prompt=4",
     )
     assert [row["step"] for row in rows] == list(range(num_steps))
     metrics = rows
+    # The supervised stage: its loss fell, and its weights went to the engine as version 1.
+    sft = [json.loads(line) for line in (run_dir / "sft.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in sft] == list(range(sft_steps))
+    assert sft[-1]["sft/loss"] < 0.5 * sft[0]["sft/loss"]
     # The engine's version advances once per step and its weights equal the trainer's each time.
-    assert [m["sync/weight_version"] for m in metrics] == list(range(1, num_steps + 1))
+    assert [m["sync/weight_version"] for m in metrics] == list(range(2, num_steps + 2))
     assert all(m["sync/verified"] == 1.0 for m in metrics)
     # The online proof that sync is exact: tokens sampled by the weights the trainer holds get the
     # same log-prob in the trainer as in the engine (fp32, same kernels up to reduction order).
@@ -101,13 +108,18 @@ def test_async_job_syncs_every_step_and_overlaps(tmp_path, tiny_model_dir):
         assert (run_dir / name).exists(), name
     assert list(run_dir.glob("events.out.tfevents.*")) or list(run_dir.rglob("events.out.*"))
     # Held-out evaluation (the main config's eval.prompts_path): greedy, every test prompt once,
-    # before the first rollout (version 0) and after the last sync.
+    # on the initial model (version 0), the SFT model (version 1) and after the last sync.
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
-    assert [(e["step"], e["eval/weight_version"]) for e in evals] == [(0, 0), (4, 4)]
+    stages = [(e["stage"], e["step"], e["eval/weight_version"]) for e in evals]
+    assert stages == [("before", 0, 0), ("after_sft", 0, 1), ("after", num_steps, num_steps + 1)]
     assert all(e["eval/num_prompts"] == 100 and 0 <= e["eval/pass_at_1"] <= 1 for e in evals)
+    # Ten supervised steps already write digits: the eval's mean reward rises from ~0.06.
+    assert evals[1]["eval/reward_mean"] > evals[0]["eval/reward_mean"] + 0.2
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["eval"]["after"]["eval/pass_at_1"] == evals[1]["eval/pass_at_1"]
-    assert "held-out greedy pass@1" in (run_dir / "summary.txt").read_text()
+    assert summary["eval"]["after"]["eval/pass_at_1"] == evals[2]["eval/pass_at_1"]
+    assert summary["sft"]["sft/num_steps"] == sft_steps
+    text = (run_dir / "summary.txt").read_text()
+    assert "held-out greedy pass@1" in text and "after SFT" in text
     # The final checkpoint (checkpoint.at_end) is complete.
     assert (run_dir / "checkpoints" / f"step_{num_steps}" / "metadata.json").is_file()
 

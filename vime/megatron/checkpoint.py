@@ -2,8 +2,9 @@
 
 One checkpoint is a directory `<checkpoint_dir>/step_<K>` written by all trainer ranks together
 (`megatron.core.dist_checkpointing`, torch_dist format): the model's sharded state dict, the AdamW
-state sharded like the parameters it belongs to, and a common part (`TrainingState`: the next step
-to run, the weight version the engines were synced to; torch's RNG state).
+state sharded like the parameters it belongs to, the frozen KL reference when there is one (after
+SFT it is the SFT model, not the initial checkpoint), and a common part (`TrainingState`: the next
+step to run, the weight version the engines were synced to; torch's RNG state).
 
 A checkpoint is complete once megatron has written its `metadata.json`, last; `latest_checkpoint`
 ignores directories without one (a job killed mid-save). Tensors are saved under global keys and
@@ -31,6 +32,7 @@ from vime.config import StrictModel
 logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"step_(\d+)$")
+_REFERENCE = "reference."
 
 
 class CheckpointConfig(StrictModel):
@@ -98,8 +100,12 @@ def _sharded_state(trainer: Any, with_optimizer: bool = True) -> dict[str, Any]:
     )
 
     model_state = trainer.model.sharded_state_dict()
+    state: dict[str, Any] = {"model": model_state}
+    if trainer.reference is not None:
+        # The KL reference is not always the initial checkpoint (after SFT it is the SFT model).
+        state["reference"] = trainer.reference.sharded_state_dict(prefix=_REFERENCE)
     if not with_optimizer:
-        return {"model": model_state}
+        return state
     optimizer = trainer.optimizer
     params = [p for group in optimizer.param_groups for p in group["params"]]
     _ensure_optimizer_state(optimizer)
@@ -108,7 +114,8 @@ def _sharded_state(trainer: Any, with_optimizer: bool = True) -> dict[str, Any]:
     optim_state_to_sharding_state(
         optim_state, get_param_id_to_sharded_param_map(model_state, params), exclude_keys=("step",)
     )
-    return {"model": model_state, "optimizer": optim_state}
+    state["optimizer"] = optim_state
+    return state
 
 
 def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -173,6 +180,9 @@ def load_checkpoint(trainer: Any, path: str | Path, with_optimizer: bool = True)
     template = _sharded_state(trainer, with_optimizer)
     loaded = dist_checkpointing.load(template, str(path))
     trainer.model.load_state_dict(loaded["model"])
+    if trainer.reference is not None:
+        reference = {k.removeprefix(_REFERENCE): v for k, v in loaded["reference"].items()}
+        trainer.reference.load_state_dict(reference)
     state = TrainingState(**loaded["training_state"])
     if not with_optimizer:
         return state

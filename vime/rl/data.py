@@ -4,6 +4,7 @@ One JSON object per line: `{"id": "...", "prompt": "...", ...}`; every other fie
 metadata, handed to the reward function (the digit task stores `"digit"`).
 
     python -m vime.rl.data --out vime/data/digit_repeat     # rewrite the built-in task files
+                                                            # (train, test, sft demonstrations)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 DIGIT_REPEAT_TRAIN = DATA_DIR / "digit_repeat" / "train.jsonl"
 DIGIT_REPEAT_TEST = DATA_DIR / "digit_repeat" / "test.jsonl"
+DIGIT_REPEAT_LENGTH = 8  # digit_match scores the first 8 characters
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,20 @@ def make_digit_repeat(num_prompts: int, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
+def digit_repeat_demonstrations(
+    num_prompts: int, seed: int, min_repeats: int = 4
+) -> list[dict[str, Any]]:
+    """Digit-repeat prompts with an imperfect demonstrator's answers: the right digit, written
+    `min_repeats` to 8 times (uniformly), where the reward asks for 8. The supervised warm start
+    (`vime.rl.sft`) learns the digit from them, and their habit of stopping early; RL on the
+    reward has to unlearn that (the main job's SFT -> RL margin)."""
+    rng = random.Random(f"demonstrations-{seed}")
+    return [
+        {**row, "completion": row["digit"] * rng.randint(min_repeats, DIGIT_REPEAT_LENGTH)}
+        for row in make_digit_repeat(num_prompts, seed)
+    ]
+
+
 def write_jsonl(rows: list[dict[str, Any]], path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,10 +121,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(DIGIT_REPEAT_TRAIN.parent), help="output directory")
     parser.add_argument("--num-train", type=int, default=500)
     parser.add_argument("--num-test", type=int, default=100)
+    parser.add_argument("--num-sft", type=int, default=256)
     args = parser.parse_args(argv)
     out = Path(args.out)
     write_jsonl(make_digit_repeat(args.num_train, seed=0), out / "train.jsonl")
     write_jsonl(make_digit_repeat(args.num_test, seed=1), out / "test.jsonl")
+    write_jsonl(digit_repeat_demonstrations(args.num_sft, seed=2), out / "sft.jsonl")
     print(out)
 
 

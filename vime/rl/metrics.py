@@ -97,9 +97,13 @@ class MetricsWriter:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, value, step)
 
-    def log_eval(self, step: int, metrics: Mapping[str, float]) -> None:
-        """One held-out evaluation, taken before `step` runs (after the last step: num_steps)."""
-        row = {"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}
+    def log_eval(self, step: int, metrics: Mapping[str, float], stage: str = "") -> None:
+        """One held-out evaluation, taken before `step` runs (after the last step: num_steps);
+        `stage` names the model evaluated (before, after_sft, after)."""
+        row: dict[str, Any] = {"step": step, "time": time.time()}
+        if stage:
+            row["stage"] = stage
+        row.update({k: float(v) for k, v in metrics.items()})
         self.eval_history.append(row)
         with self.eval_path.open("a") as out:
             out.write(json.dumps(row) + "\n")
@@ -133,6 +137,8 @@ class MetricsWriter:
                     style = {"marker": "o", "linestyle": "--"} if key == EVAL_KEY else {}
                     axis.plot(steps, values, **{"marker": ".", "label": key, **style})
                     drawn = True
+                    if key == EVAL_KEY:
+                        self._label_eval_points(axis)
             if drawn:
                 axis.legend(fontsize=7)
             else:
@@ -147,6 +153,19 @@ class MetricsWriter:
         pyplot.close(figure)
         return path
 
+    def _label_eval_points(self, axis: Any) -> None:
+        """Name the model behind each held-out point (base, SFT, RL): two share step 0."""
+        labels = {"before": "base", "after_sft": "SFT", "after": "RL"}
+        for row in self.eval_history:
+            if EVAL_KEY in row and row.get("stage") in labels:
+                axis.annotate(
+                    labels[row["stage"]],
+                    (row["step"], row[EVAL_KEY]),
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                    fontsize=7,
+                )
+
     def summary(self) -> str:
         """A few lines: steps, reward first -> last, sync time, staleness, log-prob diff."""
         lines = [f"steps logged: {len(self.history)}"]
@@ -159,10 +178,15 @@ class MetricsWriter:
                 f"reward: {first:.3f} -> {last:.3f} (mean of first/last {window} steps), "
                 f"best {max(rewards):.3f}"
             )
-        steps, scores = self.series(EVAL_KEY)
-        if scores:
-            pairs = zip(steps, scores, strict=True)
-            points = ", ".join(f"{score:.3f} before step {step}" for step, score in pairs)
+        evals = [row for row in self.eval_history if EVAL_KEY in row]
+        if evals:
+            names = {"before": "initial model", "after_sft": "after SFT", "after": "after RL"}
+            points = ", ".join(
+                f"{row[EVAL_KEY]:.3f} {names[row['stage']]} (before step {row['step']})"
+                if row.get("stage") in names
+                else f"{row[EVAL_KEY]:.3f} before step {row['step']}"
+                for row in evals
+            )
             lines.append(f"held-out greedy pass@1: {points}")
         for label, key in (
             ("weight sync time (s)", SYNC_TIME_KEY),

@@ -1,0 +1,85 @@
+"""Supervised warm start before RL: next-token cross-entropy on a task's demonstrations.
+
+Real post-training starts RL from an SFT model. The job's `sft:` section runs `num_steps`
+supervised steps on the trainer (the same megatron schedule, every TP x PP x DP layout), then
+syncs the SFT weights into the engines before the first rollout; with a KL penalty the reference
+becomes the SFT model, and RL starts with a fresh optimizer.
+
+Demonstrations are JSONL: `{"prompt": "...", "completion": "..."}` (`python -m vime.rl.data`
+writes the digit task's). The loss covers the completion's tokens and the end-of-sequence token,
+tokenized as the engines see them (the prompt as `tokenizer(prompt)`, the completion after it).
+
+    records = load_demonstrations(config.data_path)
+    input_ids, loss_mask = sft_batch(records, step, config, tokenizer)
+    metrics = trainer.sft_step(input_ids, loss_mask)
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+from pydantic import Field
+
+from vime.config import StrictModel
+from vime.rl.data import PromptRecord, load_prompts
+
+
+class SFTConfig(StrictModel):
+    """The supervised stage before RL; off unless `data_path` is set and `num_steps` > 0."""
+
+    data_path: str | None = Field(
+        None, description="JSONL of demonstrations: prompt and completion per line."
+    )
+    num_steps: int = Field(0, ge=0, description="Supervised optimizer steps before RL.")
+    batch_size: int = Field(32, ge=1, description="Demonstrations per step (all ranks together).")
+    lr: float | None = Field(None, gt=0, description="AdamW learning rate; None: trainer.lr.")
+    seed: int = Field(0, description="Shuffle seed of the demonstrations (one order per epoch).")
+
+    @property
+    def enabled(self) -> bool:
+        return self.data_path is not None and self.num_steps > 0
+
+
+def load_demonstrations(path: str) -> list[PromptRecord]:
+    """Prompt records whose metadata holds a non-empty string `completion`."""
+    records = load_prompts(path)
+    for record in records:
+        completion = record.metadata.get("completion")
+        if not isinstance(completion, str) or not completion:
+            raise ValueError(
+                f"{path}: demonstration {record.id!r} needs a non-empty string field "
+                "'completion' (the answer the model should learn to write)"
+            )
+    return records
+
+
+def sft_batch(
+    records: list[PromptRecord], step: int, config: SFTConfig, tokenizer: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s demonstrations as ([batch, seq] token ids, [batch, seq - 1] loss mask).
+
+    Every epoch visits each demonstration once, in an order fixed by (seed, epoch); a step's
+    batch depends only on its index, so a run is reproducible. The mask is aligned with
+    `token_logprobs` (position t scores token t + 1): 1 on the completion and its end token.
+    """
+    per_epoch = max(1, len(records) // config.batch_size)
+    epoch, index = divmod(step, per_epoch)
+    order = list(range(len(records)))
+    random.Random(f"{config.seed}-{epoch}").shuffle(order)
+    chosen = [records[i] for i in order[index * config.batch_size :][: config.batch_size]]
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    rows = []
+    for record in chosen:
+        prompt = tokenizer(record.prompt).input_ids
+        completion = tokenizer(record.metadata["completion"], add_special_tokens=False).input_ids
+        rows.append((prompt, [*completion, eos]))
+    seq_len = max(len(p) + len(c) for p, c in rows)
+    input_ids = torch.full((len(rows), seq_len), pad, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), seq_len - 1)
+    for i, (prompt, completion) in enumerate(rows):
+        input_ids[i, : len(prompt) + len(completion)] = torch.tensor(prompt + completion)
+        loss_mask[i, len(prompt) - 1 : len(prompt) + len(completion) - 1] = 1.0
+    return input_ids, loss_mask
