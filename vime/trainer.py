@@ -149,13 +149,13 @@ class MegatronTrainer:
             param.requires_grad_(False)
         return model.eval()
 
-    def _dp_slice(self, num_samples: int) -> slice:
+    def _dp_slice(self, num_samples: int, fix: str) -> slice:
         """This DP rank's samples: whole groups never split (advantages are per group)."""
         dp_size, dp_rank = self.topology.dp_size, self.topology.dp_rank
         if num_samples % dp_size:
             raise ValueError(
                 f"batch of {num_samples} samples does not split over {dp_size} data-parallel "
-                "ranks; make num_prompts_per_step * num_samples_per_prompt a multiple of DP"
+                f"ranks; make {fix} a multiple of DP"
             )
         per_rank = num_samples // dp_size
         return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
@@ -266,9 +266,15 @@ class MegatronTrainer:
             normalize_std=self.grpo.normalize_std,
         )
         micro_batches = self._micro_batches(
-            batch, advantages, self._dp_slice(batch.input_ids.shape[0])
+            batch,
+            advantages,
+            self._dp_slice(
+                batch.input_ids.shape[0], "rollout.num_prompts_per_step * num_samples_per_prompt"
+            ),
         )
-        ref_logprobs = self._reference_logprobs(micro_batches) if self.reference else None
+        ref_logprobs = None
+        if self.reference is not None:
+            ref_logprobs = self._reference_logprobs(micro_batches)
         # Normalise by the whole batch's token count, so micro-batches and DP ranks sum to its mean.
         num_batch_tokens = float(batch.loss_mask.sum())
         stats = _StepStats()
@@ -313,7 +319,8 @@ class MegatronTrainer:
         self.model.train()
         num = input_ids.shape[0]
         batch = PackedBatch(input_ids, loss_mask, torch.zeros_like(loss_mask), torch.zeros(num), 1)
-        micro_batches = self._micro_batches(batch, torch.zeros(num), self._dp_slice(num))
+        mine = self._dp_slice(num, "sft.batch_size")
+        micro_batches = self._micro_batches(batch, torch.zeros(num), mine)
         num_batch_tokens = float(loss_mask.sum())
         stats = _StepStats()
 
