@@ -498,7 +498,8 @@ def _run_loop(
 
     def evaluate(when: str, step: int) -> None:
         """Rank 0: greedy pass@1 on the held-out prompts through the engines, as they are now.
-        `when`: before (the initial model), after_sft, after (RL)."""
+        `when`: before (the initial model), resumed (a resumed job's checkpoint), after_sft,
+        after (RL)."""
         if rollouts is None or writer is None or config.eval.prompts_path is None:
             return
         future = rollouts.evaluate(config.eval.rollout_config(config.rollout))
@@ -517,12 +518,12 @@ def _run_loop(
 
     job_start = time.time()
     try:
-        evaluate("before", start_step)
+        evaluate("before" if resumed is None else "resumed", start_step)
         if config.sft.enabled and resumed is None:
             sft = _supervised_stage(config, trainer, tokenizer, run_dir, rank)
             if rank == 0:
                 summary["sft"] = sft
-            report = updater.update_weights()
+            report = recover.sync()
             logger.info(
                 "engines synced to the SFT weights (version %d) in %.2f s",
                 updater.weight_version,

@@ -1,12 +1,13 @@
-"""The RL trainer: a megatron-core GPTModel over TP x DP ranks, one GRPO optimizer step per batch.
+"""The trainer: a megatron-core GPTModel over TP x PP x DP ranks; GRPO steps, and SFT steps first.
 
 Every rank calls `train_step` with the same packed batch; each data-parallel rank takes its slice
 and runs it in micro-batches through megatron-core's own schedule (`get_forward_backward_func`:
 1F1B over the pipeline stages at PP>1; the loss, on the last stage, normalised by the whole
 batch's token count), then sums gradients over DP (and a tied embedding's over its first- and
 last-stage copies), clips by the global norm and steps. With `grpo.kl_coef > 0` a frozen copy of
-the initial weights (sharded like the policy) gives each token's reference log-prob for the KL
-penalty, by a forward-only pass of the same schedule.
+the initial weights (after an SFT stage: of the SFT weights, `start_rl`), sharded like the policy,
+gives each token's reference log-prob for the KL penalty, by a forward-only pass of the same
+schedule. `sft_step` is the supervised step (next-token cross-entropy) of the warm start.
 
     trainer = MegatronTrainer(config, model_path=..., topology=topology, grpo=grpo)
     metrics = trainer.train_step(packed_batch)
@@ -127,7 +128,8 @@ class MegatronTrainer:
             self.converter, topology, params_dtype=_DTYPES[config.params_dtype]
         )
         load_hf_checkpoint(self.model, model_path, converter=self.converter, topology=topology)
-        # The KL penalty's reference policy: the initial weights, sharded like the policy, frozen.
+        # The KL penalty's reference policy: the initial weights (the SFT ones after start_rl),
+        # sharded like the policy, frozen.
         self.reference = self._frozen_copy(model_path) if grpo.kl_coef > 0 else None
         self.optimizer = self._new_optimizer()
         self.num_steps = 0
@@ -150,7 +152,7 @@ class MegatronTrainer:
         return model.eval()
 
     def _dp_slice(self, num_samples: int, fix: str) -> slice:
-        """This DP rank's samples: whole groups never split (advantages are per group)."""
+        """This DP rank's contiguous share of the samples (advantages are computed before)."""
         dp_size, dp_rank = self.topology.dp_size, self.topology.dp_rank
         if num_samples % dp_size:
             raise ValueError(
@@ -292,6 +294,7 @@ class MegatronTrainer:
                 old_logprobs=train_logprobs.detach() if self.grpo.tis_cap is not None else None,
                 ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro.index],
                 num_batch_tokens=num_batch_tokens,
+                num_batch_sequences=float(batch.input_ids.shape[0]),
             )
             stats.add(metrics, float(micro.mask.sum()))
             if weight_version is not None and micro.versions is not None:
@@ -376,22 +379,25 @@ class MegatronTrainer:
 
         timeout = timedelta(seconds=self.config.collective_timeout_s)
         metrics: dict[str, float] = {}
+        # On the model's device: on GPUs megatron's DP and PP groups are NCCL, which refuses CPU
+        # tensors.
+        device = self.device
         if self.topology.is_last_stage:
             if self.topology.dp_size > 1:
-                stats.all_reduce(self.dp_group, timeout)
+                stats.all_reduce(self.dp_group, timeout, device)
             metrics = stats.metrics()
         if self.topology.pp_size == 1:
             return metrics
         group = parallel_state.get_pipeline_model_parallel_group()
         source = parallel_state.get_pipeline_model_parallel_last_rank()
         payload = json.dumps(metrics).encode() if self.topology.is_last_stage else b""
-        length = torch.tensor([len(payload)], dtype=torch.int64)
+        length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
         dist.broadcast(length, src=source, group=group, async_op=True).wait(timeout)
-        data = torch.zeros(int(length), dtype=torch.uint8)
+        data = torch.zeros(int(length), dtype=torch.uint8, device=device)
         if payload:
-            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
         dist.broadcast(data, src=source, group=group, async_op=True).wait(timeout)
-        return json.loads(bytes(data.tolist()).decode())
+        return json.loads(bytes(data.cpu().tolist()).decode())
 
     @property
     def device(self) -> torch.device:
@@ -501,19 +507,22 @@ class _StepStats:
         self.same_version_diff += float(diff[same].sum())
         self.same_version_tokens += float(same.sum())
 
-    def all_reduce(self, group: Any, timeout: timedelta) -> None:
+    def all_reduce(self, group: Any, timeout: timedelta, device: torch.device) -> None:
         """Sum (max) over the data-parallel ranks, which hold the same keys."""
         sum_keys, max_keys = sorted(self.sums), sorted(self.maxes)
         sums = torch.tensor(
             [self.sums[k] for k in sum_keys]
             + [self.num_tokens, self.same_version_diff, self.same_version_tokens],
             dtype=torch.float64,
+            device=device,
         )
         dist.all_reduce(sums, group=group, async_op=True).wait(timeout)
         *values, self.num_tokens, self.same_version_diff, self.same_version_tokens = sums.tolist()
         self.sums = dict(zip(sum_keys, values, strict=True))
         if max_keys:
-            maxes = torch.tensor([self.maxes[k] for k in max_keys], dtype=torch.float64)
+            maxes = torch.tensor(
+                [self.maxes[k] for k in max_keys], dtype=torch.float64, device=device
+            )
             work = dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group, async_op=True)
             work.wait(timeout)
             self.maxes = dict(zip(max_keys, maxes.tolist(), strict=True))

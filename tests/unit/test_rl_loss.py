@@ -195,3 +195,39 @@ def test_micro_batches_sum_to_the_batch_loss():
         for i in (0, 2)
     ]
     assert (parts[0] + parts[1]).item() == pytest.approx(whole.item(), rel=1e-5)
+
+
+def test_micro_batches_sum_to_the_batch_loss_per_sequence_with_padding_rows():
+    """token_level_mean=False: per-sequence means over the whole batch's samples; a padding row
+    (no tokens, as the trainer adds to fill the last micro-batch) adds nothing."""
+    torch.manual_seed(0)
+    config = GRPOConfig(token_level_mean=False, kl_coef=0.1, kl_estimator="k3")
+    train = torch.randn(4, 5) * 0.1
+    rollout = torch.randn(4, 5) * 0.1
+    ref = torch.randn(4, 5) * 0.1
+    mask = (torch.rand(4, 5) > 0.3).float()
+    mask[:, 0] = 1.0
+    advantages = torch.tensor([1.0, -1.0, 0.5, 0.3])
+    whole, _ = grpo_loss(train, rollout, advantages, mask, config=config, ref_logprobs=ref)
+    padded = [torch.cat([t[2:], torch.zeros(1, *t.shape[1:])]) for t in (train, rollout, ref)]
+    second = grpo_loss(
+        padded[0],
+        padded[1],
+        torch.cat([advantages[2:], torch.zeros(1)]),
+        torch.cat([mask[2:], torch.zeros(1, 5)]),
+        config=config,
+        ref_logprobs=padded[2],
+        num_batch_sequences=4.0,
+    )
+    first = grpo_loss(
+        train[:2],
+        rollout[:2],
+        advantages[:2],
+        mask[:2],
+        config=config,
+        ref_logprobs=ref[:2],
+        num_batch_sequences=4.0,
+    )
+    assert (first[0] + second[0]).item() == pytest.approx(whole.item(), rel=1e-5)
+    # The padding row is not a sample: the mean advantage is over the two real ones.
+    assert second[1]["advantage_mean"] == pytest.approx(0.4)

@@ -105,3 +105,16 @@ def test_summary_names_the_model_behind_each_evaluation(tmp_path):
     ) in summary
     rows = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert [row["stage"] for row in rows] == ["before", "after_sft", "after"]
+
+
+def test_batch_larger_than_the_demonstrations_is_refused(tokenizer):
+    records = load_demonstrations(str(SHIPPED))[:10]
+    config = SFTConfig(data_path="demos.jsonl", num_steps=1, batch_size=32)
+    with pytest.raises(ValueError, match="sft.batch_size=32 exceeds the 10 demonstrations"):
+        sft_batch(records, 0, config, tokenizer)
+
+
+def test_a_resumed_jobs_first_evaluation_is_not_called_the_initial_model(tmp_path):
+    with MetricsWriter(tmp_path, tensorboard=False) as writer:
+        writer.log_eval(2, {"eval/pass_at_1": 0.5}, stage="resumed")
+    assert "0.500 resumed checkpoint (before step 2)" in (tmp_path / "summary.txt").read_text()

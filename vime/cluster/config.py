@@ -98,8 +98,6 @@ class SlurmConfig(StrictModel):
                 "the trainer runs on the first trainer_nodes nodes of the allocation"
             )
         _check_port_outside_ray_workers("slurm.ray_port", self.ray_port)
-        # The head's Ray client server takes the next port (see vime.cluster.node).
-        _check_port_outside_ray_workers("slurm.ray_port + 1", self.ray_port + 1)
         return self
 
     @property

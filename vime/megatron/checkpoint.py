@@ -93,7 +93,9 @@ class TrainingState:
     weight_version: int
 
 
-def _sharded_state(trainer: Any, with_optimizer: bool = True) -> dict[str, Any]:
+def _sharded_state(
+    trainer: Any, with_optimizer: bool = True, with_reference: bool = True
+) -> dict[str, Any]:
     from megatron.core.dist_checkpointing.optimizer import (
         get_param_id_to_sharded_param_map,
         optim_state_to_sharding_state,
@@ -101,7 +103,7 @@ def _sharded_state(trainer: Any, with_optimizer: bool = True) -> dict[str, Any]:
 
     model_state = trainer.model.sharded_state_dict()
     state: dict[str, Any] = {"model": model_state}
-    if trainer.reference is not None:
+    if trainer.reference is not None and with_reference:
         # The KL reference is not always the initial checkpoint (after SFT it is the SFT model).
         state["reference"] = trainer.reference.sharded_state_dict(prefix=_REFERENCE)
     if not with_optimizer:
@@ -177,10 +179,18 @@ def load_checkpoint(trainer: Any, path: str | Path, with_optimizer: bool = True)
     """Load `path` into the trainer's model (and optimizer) on every rank (collective)."""
     from megatron.core import dist_checkpointing
 
-    template = _sharded_state(trainer, with_optimizer)
+    saved_keys = dist_checkpointing.load_tensors_metadata(str(path)).keys()
+    with_reference = any(key.startswith(_REFERENCE) for key in saved_keys)
+    if trainer.reference is not None and not with_reference:
+        logger.warning(
+            "%s holds no KL reference (saved without grpo.kl_coef, or by an older vime): the "
+            "reference stays the initial weights of engine.model_path",
+            path,
+        )
+    template = _sharded_state(trainer, with_optimizer, with_reference)
     loaded = dist_checkpointing.load(template, str(path))
     trainer.model.load_state_dict(loaded["model"])
-    if trainer.reference is not None:
+    if trainer.reference is not None and with_reference:
         reference = {k.removeprefix(_REFERENCE): v for k, v in loaded["reference"].items()}
         trainer.reference.load_state_dict(reference)
     state = TrainingState(**loaded["training_state"])

@@ -130,8 +130,10 @@ def transformer_config(
         "apply_rope_fusion": False,
         "gradient_accumulation_fusion": False,
         # vime's losses arrive at megatron's schedule already normalised by the whole batch's
-        # token count (gradient accumulation over micro-batches and DP ranks sums to the batch
-        # mean): the schedule must not divide them again by the micro-batch count.
+        # token (or, per-sequence, sample) count: micro-batches and DP ranks sum to the batch
+        # mean, and the schedule must not divide again by the micro-batch count. (MoE aux
+        # losses would then expect megatron's finalize_model_grads, which vime does not run;
+        # their coefficients are 0 below.)
         "calculate_per_token_loss": True,
     }
     if converter.moe:

@@ -27,7 +27,7 @@ class GRPOConfig(StrictModel):
         0.0,
         ge=0,
         description=(
-            "Weight of the KL penalty to the reference policy (the initial weights, kept frozen "
+            "Weight of the KL penalty to the reference policy (the initial or SFT weights, frozen "
             "by the trainer); 0 disables it and builds no reference model."
         ),
     )
@@ -98,12 +98,18 @@ def group_advantages(
 
 
 def _masked_mean(
-    values: torch.Tensor, mask: torch.Tensor, token_level: bool, num_tokens: float | None = None
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    token_level: bool,
+    num_tokens: float | None = None,
+    num_sequences: float | None = None,
 ) -> torch.Tensor:
+    """Token mean (over `num_tokens` if given), or the mean of per-sequence means (over
+    `num_sequences` if given; rows without tokens add 0)."""
     if token_level:
         return (values * mask).sum() / (num_tokens or mask.sum().clamp(min=1))
     per_sequence = (values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-    return per_sequence.mean()
+    return per_sequence.sum() / num_sequences if num_sequences else per_sequence.mean()
 
 
 def grpo_loss(
@@ -116,6 +122,7 @@ def grpo_loss(
     old_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     num_batch_tokens: float | None = None,
+    num_batch_sequences: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clipped GRPO loss to minimise, and its metrics.
 
@@ -126,7 +133,8 @@ def grpo_loss(
         the rollout log-probs are the old policy, and the clip bounds staleness and engine mismatch;
     ref_logprobs: [batch, seq] under the reference policy, needed when config.kl_coef > 0;
     num_batch_tokens: with token_level_mean, divide by this instead of this call's token count, so
-        micro-batches of one step sum to the whole batch's token mean (gradient accumulation).
+        micro-batches of one step sum to the whole batch's token mean (gradient accumulation);
+    num_batch_sequences: likewise without token_level_mean: the whole batch's sample count.
 
     Per token: ratio = exp(train - old); objective = min(ratio * A, clip(ratio) * A);
     with tis_cap (needs old_logprobs) the objective is weighted by min(exp(old - rollout), tis_cap),
@@ -185,11 +193,12 @@ def grpo_loss(
             metrics["tis_capped_fraction"] = _masked_mean(
                 (raw_weight > config.tis_cap).to(dtype), mask, True
             ).item()
-    loss = -_masked_mean(objective, mask, token_level, num_batch_tokens)
+    loss = -_masked_mean(objective, mask, token_level, num_batch_tokens, num_batch_sequences)
 
     if kl is not None:
         if config.kl_estimator == "k3":
-            loss = loss + config.kl_coef * _masked_mean(kl, mask, token_level, num_batch_tokens)
+            kl_mean = _masked_mean(kl, mask, token_level, num_batch_tokens, num_batch_sequences)
+            loss = loss + config.kl_coef * kl_mean
         metrics["kl_ref"] = _masked_mean(kl.detach(), mask, True).item()
 
     with torch.no_grad():
@@ -205,7 +214,10 @@ def grpo_loss(
             kl_rollout=_masked_mean(-log_diff, mask, True).item(),
             ratio_mean=_masked_mean(ratio, mask, True).item(),
             ratio_max=masked_ratio.max().item() if mask.any() else 1.0,
-            advantage_mean=advantages.float().mean().item(),
+            # Over the samples only (a micro-batch may end in padding rows without tokens).
+            advantage_mean=advantages.float()[mask.sum(dim=1) > 0].mean().item()
+            if mask.any()
+            else 0.0,
             num_tokens=mask.sum().item(),
         )
     return loss, metrics

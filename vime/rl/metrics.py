@@ -99,7 +99,7 @@ class MetricsWriter:
 
     def log_eval(self, step: int, metrics: Mapping[str, float], stage: str = "") -> None:
         """One held-out evaluation, taken before `step` runs (after the last step: num_steps);
-        `stage` names the model evaluated (before, after_sft, after)."""
+        `stage` names the model evaluated (before, resumed, after_sft, after)."""
         row: dict[str, Any] = {"step": step, "time": time.time()}
         if stage:
             row["stage"] = stage
@@ -155,7 +155,7 @@ class MetricsWriter:
 
     def _label_eval_points(self, axis: Any) -> None:
         """Name the model behind each held-out point (base, SFT, RL): two share step 0."""
-        labels = {"before": "base", "after_sft": "SFT", "after": "RL"}
+        labels = {"before": "base", "resumed": "resumed", "after_sft": "SFT", "after": "RL"}
         for row in self.eval_history:
             if EVAL_KEY in row and row.get("stage") in labels:
                 axis.annotate(
@@ -180,7 +180,12 @@ class MetricsWriter:
             )
         evals = [row for row in self.eval_history if EVAL_KEY in row]
         if evals:
-            names = {"before": "initial model", "after_sft": "after SFT", "after": "after RL"}
+            names = {
+                "before": "initial model",
+                "resumed": "resumed checkpoint",
+                "after_sft": "after SFT",
+                "after": "after RL",
+            }
             points = ", ".join(
                 f"{row[EVAL_KEY]:.3f} {names[row['stage']]} (before step {row['step']})"
                 if row.get("stage") in names

@@ -60,11 +60,17 @@ def sft_batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Step `step`'s demonstrations as ([batch, seq] token ids, [batch, seq - 1] loss mask).
 
-    Every epoch visits each demonstration once, in an order fixed by (seed, epoch); a step's
-    batch depends only on its index, so a run is reproducible. The mask is aligned with
-    `token_logprobs` (position t scores token t + 1): 1 on the completion and its end token.
+    An epoch is len(records) // batch_size disjoint batches in an order fixed by (seed, epoch)
+    (the remainder, different each epoch, waits for another); a step's batch depends only on its
+    index, so a run is reproducible. The mask is aligned with `token_logprobs` (position t
+    scores token t + 1): 1 on the completion and its end token.
     """
-    per_epoch = max(1, len(records) // config.batch_size)
+    if len(records) < config.batch_size:
+        raise ValueError(
+            f"sft.batch_size={config.batch_size} exceeds the {len(records)} demonstrations in "
+            f"{config.data_path}: lower it, or give more demonstrations"
+        )
+    per_epoch = len(records) // config.batch_size
     epoch, index = divmod(step, per_epoch)
     order = list(range(len(records)))
     random.Random(f"{config.seed}-{epoch}").shuffle(order)
