@@ -624,12 +624,10 @@ def _supervised_stage(
     records = load_demonstrations(str(config.sft.data_path))
     trainer.start_sft(config.sft.lr)
     started = time.time()
-    losses = []
     rows = []
     for step in range(config.sft.num_steps):
         input_ids, loss_mask = sft_batch(records, step, config.sft, tokenizer)
         metrics = trainer.sft_step(input_ids, loss_mask)
-        losses.append(metrics["loss"])
         rows.append({"step": step, **prefixed(metrics, "sft/")})
         if step % 10 == 0 or step + 1 == config.sft.num_steps:
             logger.info(
@@ -643,8 +641,8 @@ def _supervised_stage(
         (run_dir / "sft.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return {
         "sft/num_steps": float(config.sft.num_steps),
-        "sft/loss_first": losses[0],
-        "sft/loss_last": losses[-1],
+        "sft/loss_first": rows[0]["sft/loss"],
+        "sft/loss_last": rows[-1]["sft/loss"],
         "sft/wall_s": time.time() - started,
     }
 

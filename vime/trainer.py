@@ -302,17 +302,9 @@ class MegatronTrainer:
             # (loss, token count, collected): the schedule backpropagates the loss as it is.
             return loss, torch.tensor(int(micro.mask.sum()), dtype=torch.int), {}
 
-        self.optimizer.zero_grad(set_to_none=True)
-        self._schedule(self.model, micro_batches, loss_of, forward_only=False)
-        self._reduce_gradients()
-        grad_norm = self._clip_gradients()
-        self.optimizer.step()
+        metrics = self._update(micro_batches, loss_of, stats, f"at step {self.num_steps + 1}")
         self.num_steps += 1
-        metrics = self._share_metrics(stats)
-        metrics["grad_norm"] = float(grad_norm)
         metrics["time_s"] = time.monotonic() - started
-        if not math.isfinite(metrics["grad_norm"]):
-            raise FloatingPointError(f"non-finite gradient norm at step {self.num_steps}")
         return metrics
 
     def sft_step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, float]:
@@ -345,17 +337,29 @@ class MegatronTrainer:
                 )
             return loss, torch.tensor(int(tokens), dtype=torch.int), {}
 
+        metrics = self._update(micro_batches, loss_of, stats, "in a supervised step")
+        metrics.pop("same_version_token_fraction", None)
+        metrics["time_s"] = time.monotonic() - started
+        return metrics
+
+    def _update(
+        self,
+        micro_batches: list[_MicroBatch],
+        loss_of: Callable[[_MicroBatch, torch.Tensor], tuple],
+        stats: _StepStats,
+        what: str,
+    ) -> dict[str, float]:
+        """Gradients of every micro-batch's loss (the schedule), summed over DP and the tied
+        copies, clipped, one AdamW step; the step's metrics (`loss_of` fills `stats`)."""
         self.optimizer.zero_grad(set_to_none=True)
         self._schedule(self.model, micro_batches, loss_of, forward_only=False)
         self._reduce_gradients()
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         metrics = self._share_metrics(stats)
-        metrics.pop("same_version_token_fraction", None)
         metrics["grad_norm"] = float(grad_norm)
-        metrics["time_s"] = time.monotonic() - started
         if not math.isfinite(metrics["grad_norm"]):
-            raise FloatingPointError("non-finite gradient norm in a supervised step")
+            raise FloatingPointError(f"non-finite gradient norm {what}")
         return metrics
 
     def start_sft(self, lr: float | None = None) -> None:

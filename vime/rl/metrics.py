@@ -24,6 +24,13 @@ LAG_KEY = "staleness/lag_mean"
 LOGPROB_DIFF_KEY = "train/logprob_diff"
 KL_REF_KEY = "train/kl_ref"
 EVAL_KEY = "eval/pass_at_1"
+# The model behind a held-out evaluation (eval.jsonl "stage"): (plot label, summary name).
+EVAL_STAGES = {
+    "before": ("base", "initial model"),
+    "resumed": ("resumed", "resumed checkpoint"),
+    "after_sft": ("SFT", "after SFT"),
+    "after": ("RL", "after RL"),
+}
 
 # (panel title, keys drawn in it)
 PLOT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -155,11 +162,10 @@ class MetricsWriter:
 
     def _label_eval_points(self, axis: Any) -> None:
         """Name the model behind each held-out point (base, SFT, RL): two share step 0."""
-        labels = {"before": "base", "resumed": "resumed", "after_sft": "SFT", "after": "RL"}
         for row in self.eval_history:
-            if EVAL_KEY in row and row.get("stage") in labels:
+            if EVAL_KEY in row and row.get("stage") in EVAL_STAGES:
                 axis.annotate(
-                    labels[row["stage"]],
+                    EVAL_STAGES[row["stage"]][0],
                     (row["step"], row[EVAL_KEY]),
                     textcoords="offset points",
                     xytext=(4, 4),
@@ -180,15 +186,9 @@ class MetricsWriter:
             )
         evals = [row for row in self.eval_history if EVAL_KEY in row]
         if evals:
-            names = {
-                "before": "initial model",
-                "resumed": "resumed checkpoint",
-                "after_sft": "after SFT",
-                "after": "after RL",
-            }
             points = ", ".join(
-                f"{row[EVAL_KEY]:.3f} {names[row['stage']]} (before step {row['step']})"
-                if row.get("stage") in names
+                f"{row[EVAL_KEY]:.3f} {EVAL_STAGES[row['stage']][1]} (before step {row['step']})"
+                if row.get("stage") in EVAL_STAGES
                 else f"{row[EVAL_KEY]:.3f} before step {row['step']}"
                 for row in evals
             )
