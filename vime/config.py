@@ -108,6 +108,16 @@ class EngineConfig(StrictModel):
             "load 1.74 -> 1.07 s per sync). The server then keeps its peak heap."
         ),
     )
+    cpu_sync_load_cores: Literal["all", "own"] | list[int] = Field(
+        "all",
+        description=(
+            "CPU build only: the cores a worker may load weights on during a sync. 'all': "
+            "every core the server may run on (during a sync the engine is paused and a "
+            "colocated trainer waits for it), one thread per extra core, whole decoder layers "
+            "per thread; 'own': the worker's own cores only (vLLM's load as it is); or a list "
+            "of CPU ids."
+        ),
+    )
     extra_args: list[str] = Field(
         default_factory=list, description="Further `vllm serve` arguments, passed as they are."
     )

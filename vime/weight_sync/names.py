@@ -11,6 +11,10 @@ import re
 DEFAULT_GROUP_NAME = "vime-weight-sync"
 """The gloo backend's group when the trainer names none (each pp stage names its own)."""
 
+LOAD_CORES_ENV = "VIME_SYNC_LOAD_CORES"
+"""The server's environment variable naming the CPU cores a worker may load weights on during a
+sync (engine.cpu_sync_load_cores)."""
+
 SHM_DIR = "/dev/shm"
 SEGMENT_MODE = 0o600
 # vime's segment names: <prefix>-<creator pid>-<8 hex>-<n>. The engine maps nothing else, and the

@@ -18,7 +18,8 @@ weight-transfer engine, so importing this module is enough to register the backe
 
 Both receive the bucket layout of `vime.weight_sync.buckets` and load through vLLM's layerwise
 reload (start/finish wrap `initialize_layerwise_reload` / `finalize_layerwise_reload`), like
-vLLM's own NCCL and IPC engines.
+vLLM's own NCCL and IPC engines. On CPU a bucket's load runs on every core the server names in
+`VIME_SYNC_LOAD_CORES` (`vime.weight_sync.engine.parallel_load`: whole decoder layers per thread).
 
 `VimeWorkerExtension` adds methods callable through `POST /collective_rpc`:
 `vime_weight_metadata` (HF names, dtypes and whole shapes the engine expects, and the slice each

@@ -11,6 +11,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from vime.weight_sync.buckets import Bucket
+from vime.weight_sync.engine.parallel_load import CoreThreads, core_threads_from_env, split_by_layer
 
 
 def worker_index(parallel_config: Any) -> int:
@@ -39,6 +40,14 @@ class BucketEngine(WeightTransferEngine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.stats: dict[str, float] = {}
+        self._threads: CoreThreads | None = None
+        self._threads_read = False
+
+    def _load_threads(self) -> CoreThreads | None:
+        # Read on the first load, on the thread that loads (the worker's own, pinned one).
+        if not self._threads_read:
+            self._threads, self._threads_read = core_threads_from_env(), True
+        return self._threads
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -77,9 +86,17 @@ class BucketEngine(WeightTransferEngine):
         # Layerwise reload may keep these views until the rest of their layer arrives, possibly
         # in a later bucket: each bucket's storage must therefore stay valid and unchanged until
         # finish_weight_update, which is why both backends reuse a buffer only in a later sync.
+        def load(group: list[tuple[str, torch.Tensor]]) -> None:
+            # The check's switch is a context variable: each loading thread sets its own.
+            with disable_mtp_completeness_check():
+                self.model.load_weights(group)
+
         began = time.perf_counter()
-        with disable_mtp_completeness_check():
-            self.model.load_weights(weights)
+        threads = self._load_threads()
+        if threads is None:
+            load(weights)
+        else:
+            threads.run(load, split_by_layer(weights, threads.num_threads))
         self._count("load", began)
         self.stats["buckets"] += 1
         self.stats["bytes"] += sum(t.nbytes for _, t in weights)

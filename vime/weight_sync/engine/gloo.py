@@ -24,7 +24,8 @@ from vime.weight_sync.buckets import unpack
 from vime.weight_sync.engine.base import BucketEngine, parse_buckets, worker_index
 from vime.weight_sync.names import DEFAULT_GROUP_NAME
 
-logger = logging.getLogger(__name__)
+# Under vLLM's logger: in a worker, vLLM configures handlers for "vllm" only.
+logger = logging.getLogger(f"vllm.{__name__}")
 
 
 @dataclass

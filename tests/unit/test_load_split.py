@@ -1,0 +1,112 @@
+"""The engine's parallel weight load: how a bucket is split, and the pinned load threads."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from vime.rollout.server import sync_load_cores
+from vime.weight_sync.engine.parallel_load import CoreThreads, parse_cores, split_by_layer
+
+pytestmark = pytest.mark.unit
+
+
+def _bucket() -> list[tuple[str, torch.Tensor]]:
+    names_sizes = [
+        ("model.embed_tokens.weight", 300),
+        ("model.layers.0.self_attn.q_proj.weight", 40),
+        ("model.layers.0.self_attn.k_proj.weight", 20),
+        ("model.layers.0.mlp.gate_proj.weight", 60),
+        ("model.layers.1.self_attn.q_proj.weight", 40),
+        ("model.layers.1.mlp.experts.3.up_proj.weight", 60),
+        ("model.layers.10.mlp.down_proj.weight", 100),
+        ("model.layers.1.input_layernorm.weight", 2),
+        ("model.norm.weight", 2),
+        ("lm_head.weight", 300),
+    ]
+    return [(name, torch.zeros(size, dtype=torch.float32)) for name, size in names_sizes]
+
+
+def _layer(name: str) -> str:
+    parts = name.split(".")
+    return ".".join(parts[:3]) if "layers" in parts else name
+
+
+def test_split_keeps_each_layer_on_one_thread_and_balances_bytes():
+    weights = _bucket()
+    groups = split_by_layer(weights, 2)
+    assert len(groups) == 2
+    # Every weight once, each group in the bucket's order.
+    assert sorted(n for g in groups for n, _ in g) == sorted(n for n, _ in weights)
+    order = [n for n, _ in weights]
+    for group in groups:
+        positions = [order.index(n) for n, _ in group]
+        assert positions == sorted(positions)
+    # layers.1 (not contiguous in the bucket) and layers.10 are distinct units, each whole.
+    owner = {}
+    for index, group in enumerate(groups):
+        for name, _ in group:
+            assert owner.setdefault(_layer(name), index) == index, name
+    assert {"model.layers.0", "model.layers.1", "model.layers.10"} <= owner.keys()
+    sizes = [sum(t.nbytes for _, t in g) for g in groups]
+    assert max(sizes) - min(sizes) <= 100 * 4  # within the largest layer unit
+
+
+def test_split_into_one_or_more_groups_than_units():
+    weights = _bucket()
+    assert split_by_layer(weights, 1) == [weights]
+    groups = split_by_layer(weights[:2], 8)  # two units: two groups, no empty ones
+    assert len(groups) == 2
+
+
+def test_parse_cores():
+    assert parse_cores(None) == [] and parse_cores("") == []
+    assert parse_cores("3,1, 1") == [1, 3]
+    with pytest.raises(ValueError, match="VIME_SYNC_LOAD_CORES='1-2'"):
+        parse_cores("1-2")
+
+
+def test_sync_load_cores_setting():
+    allowed = sorted(os.sched_getaffinity(0))
+    assert sync_load_cores("all") == allowed
+    assert sync_load_cores("own") == []
+    assert sync_load_cores([allowed[0], allowed[0]]) == [allowed[0]]
+    with pytest.raises(ValueError, match=r"names cores \[4096\]"):
+        sync_load_cores([4096])
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_core_threads_run_on_the_extra_cores_and_raise_after_all_finished():
+    before = os.sched_getaffinity(0)
+    first, *others = sorted(before)
+    os.sched_setaffinity(0, {first})  # as a vLLM worker's pinned thread
+    try:
+        threads = CoreThreads(sorted(before))
+        assert threads.extra == others and threads.num_threads == len(before)
+        seen: dict[int, set[int]] = {}
+        lock = threading.Lock()
+
+        def record(group):
+            with lock:
+                seen[group[0]] = os.sched_getaffinity(0)
+
+        threads.run(record, [[index] for index in range(threads.num_threads)])
+        assert seen[0] == {first}
+        assert set().union(*(seen[i] for i in range(1, threads.num_threads))) == set(others)
+
+        finished = []
+
+        def fail_first(group):
+            if group[0] == 0:
+                raise RuntimeError("load failed")
+            finished.append(group[0])
+
+        with pytest.raises(RuntimeError, match="load failed"):
+            threads.run(fail_first, [[0], [1]])
+        assert finished == [1]  # the helper's load ended before the error was raised
+        threads.shutdown()
+    finally:
+        os.sched_setaffinity(0, before)
