@@ -32,10 +32,15 @@ def reject_moved_keys(section: str, data: Any, moved: dict[str, str]) -> Any:
     return data
 
 
+FLUSH_TIMEOUT_GONE = (
+    "remove it: a keep pause with clear_cache resets the prefix cache itself (vLLM 0.32), and "
+    "without clear_cache one flush is tried (frozen requests hold their KV blocks until resume)"
+)
+
 ENGINE_MOVED_KEYS = {
     "pause_mode": "a weight sync always pauses with mode=keep (no request is lost); remove it",
     "clear_cache_on_pause": "write weight_sync.clear_cache_on_pause instead",
-    "flush_cache_timeout_s": "write weight_sync.flush_cache_timeout_s instead",
+    "flush_cache_timeout_s": FLUSH_TIMEOUT_GONE,
 }
 
 
@@ -260,6 +265,7 @@ WEIGHT_SYNC_MOVED_KEYS = {
     ),
     "master_address": "write it under weight_sync.transport (kind gloo or nccl)",
     "master_port_range": "write it under weight_sync.transport (kind gloo or nccl)",
+    "flush_cache_timeout_s": FLUSH_TIMEOUT_GONE,
 }
 
 
@@ -286,15 +292,6 @@ class WeightSyncConfig(StrictModel):
             "clear_cache for the keep pause. True: in-flight requests re-prefill on the new "
             "weights. False: they keep KV from the old weights and the prefix cache cannot be "
             "flushed while they hold it (reported as prefix_cache_flushed=False)."
-        ),
-    )
-    flush_cache_timeout_s: float = Field(
-        0.2,
-        gt=0,
-        description=(
-            "Bound on the prefix-cache flush after the pause; failing it only warns. Used only "
-            "with clear_cache_on_pause=True: without it, requests frozen in flight hold their KV "
-            "blocks until they finish, so one attempt is made and not repeated."
         ),
     )
     barrier_timeout_s: float = Field(

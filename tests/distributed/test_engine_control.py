@@ -353,3 +353,38 @@ def test_server_that_dies_at_start_reports_its_log_tail(tmp_path):
     message = str(info.value)
     assert "exited with code" in message
     assert "Log tail" in message and "no-such-model" in message.split("Log tail", 1)[1]
+
+
+def _prefix_cache_hits(url: str) -> float:
+    text = requests.get(f"{url}/metrics", timeout=30, headers=HEADERS).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:prefix_cache_hits_total")
+    )
+
+
+def test_keep_pause_with_clear_cache_empties_the_prefix_cache(engine):
+    """What lets a sync with clear_cache skip its /reset_prefix_cache round trip: in vLLM 0.32 the
+    pause itself resets the prefix cache. Without clear_cache the cache survives the pause."""
+    prompt = [(7 * i) % 500 + 1 for i in range(300)]  # several KV blocks of a fresh prefix
+
+    def complete() -> None:
+        body = {"model": str(engine.config.model_path), "prompt": prompt, "max_tokens": 1}
+        response = requests.post(
+            f"{engine.url}/v1/completions", json=body, timeout=60, headers=HEADERS
+        )
+        response.raise_for_status()
+
+    for clear_cache in (False, True):
+        prompt[0] += 1  # a prefix not cached yet
+        complete()
+        cached = _prefix_cache_hits(engine.url)
+        complete()
+        assert _prefix_cache_hits(engine.url) > cached, "the prefix was not cached"
+        engine.pause_generation("keep", clear_cache=clear_cache)
+        engine.continue_generation()
+        before = _prefix_cache_hits(engine.url)
+        complete()
+        reused = _prefix_cache_hits(engine.url) > before
+        assert reused is not clear_cache, f"clear_cache={clear_cache}: prefix reused={reused}"

@@ -35,6 +35,9 @@ def test_old_backend_keys_say_what_to_write():
         load_config(TrainConfig, path, ["weight_sync.mode=tensor"])
     with pytest.raises(ValueError, match="always pauses with mode=keep"):
         load_config(TrainConfig, path, ["engine.pause_mode=keep"])
+    for section in ("engine", "weight_sync"):
+        with pytest.raises(ValueError, match=f"{section}.flush_cache_timeout_s .*remove it"):
+            load_config(TrainConfig, path, [f"{section}.flush_cache_timeout_s=0.2"])
 
 
 def test_transport_override_switches_the_engines_backend():

@@ -91,6 +91,22 @@ def test_session_runs_phases_in_order(group):
     assert set(report.seconds) == {"pause", "flush", "start", "send", "finish", "resume"}
 
 
+def test_clear_cache_pause_needs_no_flush_call(group):
+    log: list = []
+    report = run_sync_session(
+        engines=[FakeEngine(log, "e0", hold_blocks=True)],
+        group=group,
+        weight_version=2,
+        **ONE_STAGE,
+        send_stage=lambda: None,
+        clear_cache=True,
+    )
+    # The pause itself reset the prefix cache (vLLM 0.32); the engine got no flush request.
+    assert [entry[1] for entry in log] == ["pause", "start", "finish", "resume"]
+    assert log[0] == ("e0", "pause", "keep", True)
+    assert report.prefix_cache_flushed is True
+
+
 def test_unflushable_prefix_cache_is_reported_not_fatal(group):
     log: list = []
     engines = [FakeEngine(log, "e0", hold_blocks=True), FakeEngine(log, "e1")]

@@ -143,7 +143,6 @@ def run_sync_session(
     send_stage: Callable[[], None],
     verify: Callable[[], None] | None = None,
     clear_cache: bool = False,
-    flush_timeout_s: float = 1.0,
     call_timeout_s: float = 600.0,
     barrier_timeout_s: float = 600.0,
 ) -> SyncReport:
@@ -169,7 +168,7 @@ def run_sync_session(
     control = _Control(engines, call_timeout_s)
 
     def flush() -> None:
-        report.prefix_cache_flushed = control.flush(clear_cache, flush_timeout_s)
+        report.prefix_cache_flushed = control.flush(clear_cache)
 
     with control.paused():
         step("pause", lambda: control.pause(clear_cache))
@@ -252,20 +251,21 @@ class _Control:
         # keep: requests in flight freeze and continue on the new weights; none is lost.
         self._all("pause", lambda e: e.pause_generation(mode="keep", clear_cache=clear_cache))
 
-    def flush(self, clear_cache: bool, timeout_s: float) -> bool | None:
+    def flush(self, clear_cache: bool) -> bool | None:
         """Whether every engine's prefix cache is now empty (None: no engines here); never
         raises for a cache that is still in use."""
         if not self.engines:
             return None
+        if clear_cache:
+            # vLLM 0.32: a pause with clear_cache resets the prefix cache itself before it
+            # returns (EngineCore._finish_pause -> _reset_caches, which raises if the reset
+            # fails), so a pause that succeeded left nothing to flush: no extra round trip.
+            return True
         # After a keep pause with clear_cache=False, frozen requests hold their KV blocks until
         # they finish: a flush that fails once cannot succeed before resume, so it is not retried
-        # (retrying cost the async loop 0.2 s per sync). With clear_cache=True the pause freed
-        # them and retries cover a scheduler that has not let go yet.
-        retry_s = timeout_s if clear_cache else 0.0
+        # (retrying cost the async loop 0.2 s per sync).
         flushed = self._all(
-            "flush",
-            lambda e: bool(e.flush_cache(timeout_s=retry_s, raise_on_timeout=False)),
-            timeout_s=retry_s + self.timeout_s,
+            "flush", lambda e: bool(e.flush_cache(timeout_s=0.0, raise_on_timeout=False))
         )
         return all(flushed)
 

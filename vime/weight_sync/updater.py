@@ -248,7 +248,6 @@ class WeightUpdater:
                 send_stage=lambda: self._send_stage(sent, counts),
                 verify=verify,
                 clear_cache=self.config.clear_cache_on_pause,
-                flush_timeout_s=self.config.flush_cache_timeout_s,
                 call_timeout_s=self.config.transfer_timeout_s,
                 barrier_timeout_s=self.config.barrier_timeout_s,
             )
