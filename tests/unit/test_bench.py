@@ -18,7 +18,12 @@ def _result() -> DtypeResult:
         return Measurement(method, "float32", 2_000_000_000, rows, num_requests=requests)
 
     disk = Measurement("disk", "float32", 2_000_000_000, [{"save": 5.0, "total": 8.0}])
-    control = Measurement("control", "float32", 0, [{"pause": 0.025, "total": 0.05}])
+    control = Measurement(
+        "control",
+        "float32",
+        0,
+        [{"pause": 0.025, "start": 0.01, "engine_start": 0.004, "total": 0.05}],
+    )
     return DtypeResult(
         dtype="float32",
         num_tensors=290,
@@ -53,7 +58,18 @@ def test_sync_table_has_floors_ratios_and_bandwidth():
         "float32 shm: 1.600 s = 10.0x the memcpy floor (0.800 s = 5.0x without the engine's "
         "own load_weights, 0.800 s); disk takes 5.0x as long; naive takes 3.0x as long"
     ) in summary
-    assert "float32 control plane (no bytes): 50.0 ms" in summary
+    assert (
+        "float32 control plane (no bytes): 50.0 ms, median of 1 sessions (quartiles 50.0-50.0 "
+        "ms); medians in ms: pause 25.0, start 10.0 (4.0 in the worker)"
+    ) in summary
+
+
+def test_quartiles():
+    from vime.bench.sync_results import quartiles
+
+    assert quartiles([4.0, 1.0, 3.0, 2.0, 5.0]) == (2.0, 4.0)
+    assert quartiles([1.0, 2.0]) == (1.25, 1.75)
+    assert quartiles([3.0]) == (3.0, 3.0)
 
 
 def test_engine_env_pairs_are_checked():
@@ -94,3 +110,49 @@ def test_vime_command_lists_and_rejects_commands(capsys):
     with pytest.raises(SystemExit) as exit_info:
         vime_main(["bench-sink"])
     assert exit_info.value.code == 2 and "unknown command 'bench-sink'" in capsys.readouterr().err
+
+
+def _sized(preset: str, gb: float, shm_s: float) -> DtypeResult:
+    shm = Measurement("shm", "bfloat16", int(gb * 1e9), [{"total": shm_s}, {"total": 9 * shm_s}])
+    shm.iterations.append({"total": shm_s * 0.5})  # median of three: shm_s
+    return DtypeResult(
+        dtype="bfloat16",
+        num_tensors=1,
+        num_bytes=int(gb * 1e9),
+        floor_s=gb / 10.0,
+        floor_pinned_s=gb / 8.0,
+        engine_startup_s={},
+        measurements=[shm],
+        preset=preset,
+    )
+
+
+def test_size_fit_recovers_slope_and_intercept(tmp_path):
+    from vime.bench.sizes import fit_line, fit_sizes, format_sizes, plot_sizes
+
+    per_gb, intercept = fit_line([(1.0, 1.5), (2.0, 2.5), (4.0, 4.5)])
+    assert per_gb == pytest.approx(1.0) and intercept == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="at least two sizes"):
+        fit_line([(1.0, 1.0)])
+    # shm: 0.2 s + GB / 2 GB/s; the floor: GB / 10 GB/s, no fixed cost.
+    results = [_sized(p, gb, 0.2 + gb / 2.0) for p, gb in (("a", 0.3), ("b", 1.0), ("c", 3.0))]
+    fits = {fit.method: fit for fit in fit_sizes(results)}
+    assert set(fits) == {"floor", "shm"}  # gloo and disk were not run
+    assert fits["shm"].slope_gbps == pytest.approx(2.0)
+    assert fits["shm"].intercept_s == pytest.approx(0.2)
+    assert fits["floor"].slope_gbps == pytest.approx(10.0)
+    assert fits["floor"].intercept_s == pytest.approx(0.0, abs=1e-9)
+    table = format_sizes(["a", "b", "c"], results, list(fits.values()))
+    assert "shm    slope   2.00 GB/s  intercept +0.200 s  (3 sizes)" in table
+    assert plot_sizes(list(fits.values()), tmp_path / "sizes.png", "t").stat().st_size > 1000
+
+
+def test_bench_sync_sizes_need_two_presets():
+    from vime.bench.sync import parse_args
+
+    assert parse_args(["--sizes", "qwen2-0.16b", "qwen2.5-0.5b"]).sizes == [
+        "qwen2-0.16b",
+        "qwen2.5-0.5b",
+    ]
+    with pytest.raises(SystemExit):
+        parse_args(["--sizes", "qwen2.5-0.5b"])

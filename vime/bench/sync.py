@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vime.bench.sizes import fit_sizes, format_sizes, plot_sizes
 from vime.bench.sync_methods import bench_control, bench_disk, bench_updater, memcpy_floor
 from vime.bench.sync_results import (
     BENCH_TRANSPORTS,
@@ -61,16 +62,18 @@ logger = logging.getLogger("vime.bench")
 # ---- one dtype ---------------------------------------------------------------------------------
 
 
-def bench_dtype(args: argparse.Namespace, dtype: str, topology: Any, sync_group: Any) -> Any:
+def bench_dtype(
+    args: argparse.Namespace, preset: str, dtype: str, topology: Any, sync_group: Any
+) -> Any:
     from vime.megatron.gather import hf_weight_metadata
     from vime.megatron.model import unwrap
 
     rank = dist.get_rank()
-    model_dir = Path(args.model_root) / f"bench-{args.preset}-{dtype}"
+    model_dir = Path(args.model_root) / f"bench-{preset}-{dtype}"
     if rank == 0:
         from vime.testing.tiny_model import build_tiny_model
 
-        build_tiny_model(model_dir, args.preset, dtype)
+        build_tiny_model(model_dir, preset, dtype)
     dist.barrier()
     unpin()
     trainer = build_trainer(model_dir, dtype, topology, sync_group)
@@ -123,6 +126,7 @@ def bench_dtype(args: argparse.Namespace, dtype: str, topology: Any, sync_group:
         engine_startup_s=startup,
         measurements=measurements,
         num_cores=len(all_cores()),
+        preset=preset,
     )
 
 
@@ -169,9 +173,11 @@ def bench_baselines(
             )
         )
     measurements.append(
-        bench_control(trainer, engine, dtype=dtype, iterations=args.iterations, version=version)
+        bench_control(
+            trainer, engine, dtype=dtype, iterations=args.control_iterations, version=version
+        )
     )
-    return version + args.iterations + 1, measurements
+    return version + args.control_iterations + 1, measurements
 
 
 # ---- entry point -------------------------------------------------------------------------------
@@ -189,6 +195,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--preset", default="qwen2.5-0.5b", help="vime.testing.tiny_model preset")
     parser.add_argument(
+        "--sizes",
+        nargs="+",
+        metavar="PRESET",
+        help="run every method on each of these presets (>= 2) and fit seconds against bytes "
+        "(e.g. qwen2-0.16b qwen2.5-0.5b qwen2.5-1.5b); replaces --preset",
+    )
+    parser.add_argument(
         "--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"]
     )
     parser.add_argument(
@@ -198,6 +211,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--baselines", nargs="*", default=["disk", "naive"], choices=["disk", "naive"]
     )
     parser.add_argument("--iterations", type=int, default=5, help="timed syncs per method")
+    parser.add_argument(
+        "--control-iterations",
+        type=int,
+        default=20,
+        help="timed sessions that move no bytes (the control plane's median and spread)",
+    )
     parser.add_argument(
         "--warmup", type=int, default=3, help="untimed syncs first (the heap reaches steady size)"
     )
@@ -215,15 +234,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="reuse",
         help="engine.cpu_reuse_freed_memory on (reuse) or off (glibc's default)",
     )
+    parser.add_argument(
+        "--engine-load-cores",
+        choices=["all", "own"],
+        default="all",
+        help="engine.cpu_sync_load_cores: load on every core during a sync, or the worker's own",
+    )
     parser.add_argument("--out", default="runs/bench-sync", help="JSON, engine logs, disk files")
     parser.add_argument("--model-root", default="models", help="where checkpoints are built")
     args = parser.parse_args(argv)
-    if args.iterations < 1 or args.warmup < 0:
+    if args.iterations < 1 or args.warmup < 0 or args.control_iterations < 1:
         parser.error(
-            f"need --iterations >= 1 and --warmup >= 0, got {args.iterations}, {args.warmup}"
+            "need --iterations >= 1, --control-iterations >= 1 and --warmup >= 0, got "
+            f"{args.iterations}, {args.control_iterations}, {args.warmup}"
         )
     if args.engine_tp < 1:
         parser.error(f"--engine-tp must be >= 1, got {args.engine_tp}")
+    if args.sizes is not None and len(set(args.sizes)) < 2:
+        parser.error(f"--sizes needs at least two different presets, got {args.sizes}")
     if args.bucket_mib < 1:
         parser.error(f"--bucket-mib must be >= 1, got {args.bucket_mib}")
     return args
@@ -249,7 +277,12 @@ def main(argv: list[str] | None = None) -> list[DtypeResult]:
             )
         topology = initialize_model_parallel(tp=args.tp, pp=1, timeout=timedelta(minutes=15))
         sync_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=15))
-        results = [bench_dtype(args, dtype, topology, sync_group) for dtype in args.dtypes]
+        presets = args.sizes or [args.preset]
+        results = [
+            bench_dtype(args, preset, dtype, topology, sync_group)
+            for preset in presets
+            for dtype in args.dtypes
+        ]
         if dist.get_rank() == 0:
             report(args, argv, results)
         return results
@@ -285,16 +318,24 @@ def report(args: argparse.Namespace, argv: list[str], results: list[DtypeResult]
         ],
         "summary": summarize(results),
     }
+    presets = args.sizes or [args.preset]
+    fits = fit_sizes(results) if args.sizes else []
+    if fits:
+        document["size_fits"] = [fit.as_dict() for fit in fits]
     path = out / "bench_sync.json"
     path.write_text(json.dumps(document, indent=2))
-    model_gb = ", ".join(f"{r.dtype} {r.num_bytes / 1e9:.2f} GB" for r in results)
+    model_gb = ", ".join(f"{r.preset} {r.dtype} {r.num_bytes / 1e9:.2f} GB" for r in results)
     print(
-        f"\nvime bench-sync: {args.preset} ({model_gb}), trainer TP {args.tp}, engine TP "
+        f"\nvime bench-sync: {model_gb}; trainer TP {args.tp}, engine TP "
         f"{args.engine_tp}, seconds, the median of "
         f"{args.iterations} syncs after {args.warmup} warm-up ones"
     )
     print(format_table(results))
     print("\n".join(["", *document["summary"], f"figures: {path}"]))
+    if fits:
+        print("\n" + format_sizes([r.preset for r in results], results, fits))
+        plot = plot_sizes(fits, out / "bench_sync_sizes.png", "vime bench-sync: seconds vs bytes")
+        print(f"plot: {plot} ({len(presets)} sizes)")
 
 
 if __name__ == "__main__":

@@ -145,6 +145,12 @@ def bench_control(
         )
         if index:
             row = {phase: report.seconds.get(phase, 0.0) for phase in SYNC_PHASES}
+            if dist.get_rank(trainer.sync_group) == 0:
+                # The worker's own part of start and finish (vLLM's layerwise reload set-up and
+                # tear-down); the rest of those round trips is HTTP, API server and engine core.
+                stats = engine.collective_rpc("vime_weight_update_stats")[0]
+                row["engine_start"] = float(stats.get("start", 0.0))
+                row["engine_finish"] = float(stats.get("finish", 0.0))
             measurement.iterations.append({**row, "total": report.total_s})
     return measurement
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from statistics import median
 
 logger = logging.getLogger("vime.bench")
 
@@ -66,6 +67,7 @@ class DtypeResult:
     engine_startup_s: dict[str, float]
     measurements: list[Measurement]
     num_cores: int = 0  # the machine's cores this run could use (the floor's)
+    preset: str = ""  # the model (vime.testing.tiny_model preset)
 
 
 # ---- the report --------------------------------------------------------------------------------
@@ -83,14 +85,16 @@ def format_table(results: list[DtypeResult]) -> str:
     header = ["dtype", "method", "n", "req", *(names.get(c, c) for c in columns)]
     header += ["total", "GB/s", "x floor"]
     rows = []
+    several_models = len({r.preset for r in results}) > 1
     for result in results:
+        label = f"{result.preset} {result.dtype}" if several_models else result.dtype
         floors = [
             (f"memcpy {result.num_cores} cores", result.floor_s),
             ("memcpy 1 core", result.floor_pinned_s),
         ]
         for name, seconds in floors:
             rows.append(
-                [result.dtype, name, f"min/{FLOOR_REPEATS}", "", *[""] * len(columns)]
+                [label, name, f"min/{FLOOR_REPEATS}", "", *[""] * len(columns)]
                 + [f"{seconds:.3f}", f"{result.num_bytes / seconds / 1e9:.1f}"]
                 + [f"{seconds / result.floor_s:.1f}"]
             )
@@ -101,7 +105,7 @@ def format_table(results: list[DtypeResult]) -> str:
             gbps = f"{m.num_bytes / total / 1e9:.2f}" if m.num_bytes and total else ""
             ratio = f"{total / result.floor_s:.1f}" if m.num_bytes and result.floor_s else ""
             rows.append(
-                [result.dtype, m.method, str(len(m.iterations)), str(m.num_requests or ""), *cells]
+                [label, m.method, str(len(m.iterations)), str(m.num_requests or ""), *cells]
                 + [f"{total:.3f}", gbps, ratio]
             )
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
@@ -111,6 +115,34 @@ def format_table(results: list[DtypeResult]) -> str:
 
     head = line(header)
     return "\n".join([head, "-" * len(head), *map(line, rows)])
+
+
+def control_breakdown(control: Measurement) -> str:
+    """Each round trip's median in ms; start and finish with the worker's own share."""
+    parts = []
+    for phase in ("pause", "flush", "start", "finish", "resume"):
+        values = [it[phase] for it in control.iterations if phase in it]
+        if not values:
+            continue
+        text = f"{phase} {median(values) * 1e3:.1f}"
+        inside = [it[f"engine_{phase}"] for it in control.iterations if f"engine_{phase}" in it]
+        if inside:
+            text += f" ({median(inside) * 1e3:.1f} in the worker)"
+        parts.append(text)
+    return "medians in ms: " + ", ".join(parts)
+
+
+def quartiles(values: list[float]) -> tuple[float, float]:
+    """(first, third) quartile, linear interpolation between the sorted values."""
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        position = q * (len(ordered) - 1)
+        low = int(position)
+        high = min(low + 1, len(ordered) - 1)
+        return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+    return at(0.25), at(0.75)
 
 
 def summarize(results: list[DtypeResult]) -> list[str]:
@@ -138,8 +170,12 @@ def summarize(results: list[DtypeResult]) -> list[str]:
                 if baseline in by_method:
                     line += f"; {baseline} takes {by_method[baseline] / total:.1f}x as long"
             lines.append(line)
-        if "control" in by_method:
+        control = next((m for m in result.measurements if m.method == "control"), None)
+        if control is not None and control.iterations:
+            low, high = quartiles([it["total"] for it in control.iterations])
             lines.append(
-                f"{result.dtype} control plane (no bytes): {by_method['control'] * 1e3:.1f} ms"
+                f"{result.dtype} control plane (no bytes): {by_method['control'] * 1e3:.1f} ms, "
+                f"median of {len(control.iterations)} sessions (quartiles {low * 1e3:.1f}-"
+                f"{high * 1e3:.1f} ms); {control_breakdown(control)}"
             )
     return lines

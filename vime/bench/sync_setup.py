@@ -111,6 +111,7 @@ def running_engine(
         startup_timeout_s=900,
         extra_env={**engine_cpu_binding(args.engine_tp), **parse_env(args.engine_env)},
         cpu_reuse_freed_memory=args.engine_malloc == "reuse",
+        cpu_sync_load_cores=args.engine_load_cores,
     )
     engine = None
     url: list[str | None] = [None]

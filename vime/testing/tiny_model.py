@@ -88,6 +88,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     ),
+    # A Qwen2-shaped model of 0.16B parameters (158M) (Qwen2.5's vocabulary), the small end of
+    # `vime bench-sync --sizes`.
+    "qwen2-0.16b": dict(
+        architecture="Qwen2ForCausalLM",
+        hidden_size=640,
+        intermediate_size=3456,
+        num_hidden_layers=8,
+        num_attention_heads=10,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    ),
     # Qwen2.5-0.5B shape (494M parameters), for transfer and speed work.
     "qwen2.5-0.5b": dict(
         architecture="Qwen2ForCausalLM",
@@ -95,6 +108,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=4864,
         num_hidden_layers=24,
         num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    ),
+    # Qwen2.5-1.5B shape (1.54B parameters), the large end of `vime bench-sync --sizes`.
+    "qwen2.5-1.5b": dict(
+        architecture="Qwen2ForCausalLM",
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
         num_key_value_heads=2,
         vocab_size=151936,
         max_position_embeddings=4096,
