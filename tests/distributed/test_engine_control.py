@@ -92,14 +92,15 @@ def streaming_sampling(max_tokens: int = 300) -> SamplingConfig:
     return SamplingConfig(max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
 
 
-def server_generated_tokens(url: str) -> float:
-    """The server's own count of generated tokens (Prometheus /metrics); use it while idle."""
+def metric_total(url: str, name: str) -> float:
+    """The server's own counter `name` (Prometheus /metrics), summed over its labels."""
     text = requests.get(f"{url}/metrics", timeout=30, headers=HEADERS).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:generation_tokens_total")
-    )
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def server_generated_tokens(url: str) -> float:
+    """The server's own count of generated tokens; use it while idle."""
+    return metric_total(url, "vllm:generation_tokens_total")
 
 
 def version_runs(versions: list[str | None]) -> list[tuple[str | None, int]]:
@@ -356,12 +357,7 @@ def test_server_that_dies_at_start_reports_its_log_tail(tmp_path):
 
 
 def _prefix_cache_hits(url: str) -> float:
-    text = requests.get(f"{url}/metrics", timeout=30, headers=HEADERS).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:prefix_cache_hits_total")
-    )
+    return metric_total(url, "vllm:prefix_cache_hits_total")
 
 
 def test_keep_pause_with_clear_cache_empties_the_prefix_cache(engine):
