@@ -32,7 +32,7 @@ def _bucket() -> list[tuple[str, torch.Tensor]]:
 
 def _layer(name: str) -> str:
     parts = name.split(".")
-    return ".".join(parts[:3]) if "layers" in parts else name
+    return ".".join(parts[:3]) if "layers" in parts else "outside the blocks"
 
 
 def test_split_keeps_each_layer_on_one_thread_and_balances_bytes():
@@ -45,14 +45,28 @@ def test_split_keeps_each_layer_on_one_thread_and_balances_bytes():
     for group in groups:
         positions = [order.index(n) for n, _ in group]
         assert positions == sorted(positions)
-    # layers.1 (not contiguous in the bucket) and layers.10 are distinct units, each whole.
+    # layers.1 (not contiguous in the bucket) and layers.10 are distinct units, each whole; the
+    # embedding, final norm and head are one unit.
     owner = {}
     for index, group in enumerate(groups):
         for name, _ in group:
             assert owner.setdefault(_layer(name), index) == index, name
-    assert {"model.layers.0", "model.layers.1", "model.layers.10"} <= owner.keys()
-    sizes = [sum(t.nbytes for _, t in g) for g in groups]
-    assert max(sizes) - min(sizes) <= 100 * 4  # within the largest layer unit
+    assert owner.keys() == {
+        "model.layers.0",
+        "model.layers.1",
+        "model.layers.10",
+        "outside the blocks",
+    }
+    sizes = sorted(sum(t.nbytes for _, t in g) for g in groups)
+    assert sizes == [(40 + 20 + 60 + 40 + 60 + 100 + 2) * 4, (300 + 2 + 300) * 4]
+
+
+def test_split_keeps_other_numbered_blocks_whole():
+    names = ["visual.blocks.0.attn.qkv.weight", "visual.blocks.0.attn.qkv.bias"]
+    names += ["transformer.h.3.attn.c_attn.weight", "transformer.h.3.attn.c_attn.bias"]
+    weights = [(name, torch.zeros(4)) for name in names]
+    groups = split_by_layer(weights, 4)
+    assert sorted(len(group) for group in groups) == [2, 2]
 
 
 def test_split_into_one_or_more_groups_than_units():

@@ -5,11 +5,13 @@ weight into its layer, repack every linear weight into oneDNN's layout) runs on 
 a sync the engine is paused and a colocated trainer waits for it: their cores are idle. The server
 gets the cores a worker may load on in `VIME_SYNC_LOAD_CORES` (from `engine.cpu_sync_load_cores`);
 each extra core gets one thread, pinned to it, and a bucket's weights are split between the worker's
-own thread and those by whole units: every weight of one decoder layer (`.layers.N.`) together, any
-other name alone. A layer's weights never meet two threads, so vLLM's per-layer bookkeeping (which
-processes a layer when its last weight arrives) sees each layer from one thread, as it does now.
-Threads run the same `model.load_weights` on disjoint layers; what they write is the same as one
-thread's load, bit for bit (the tests compare the served tensors' digests).
+own thread and those by whole units: every weight of one numbered block (`.layers.N.`,
+`.blocks.N.`, `.h.N.`, `.layer.N.`) together, and all other names (embeddings, final norm, head)
+as one more unit. A vLLM module's weights (q, k and v of one qkv_proj; gate and up) never meet two
+threads, so vLLM's per-layer bookkeeping (which processes a layer when its last weight arrives)
+sees each layer from one thread, as it does now. Threads run the same `model.load_weights` on
+disjoint layers; what they write is the same as one thread's load, bit for bit (the tests
+compare the served tensors' digests).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from vime.weight_sync.names import LOAD_CORES_ENV
 # Under vLLM's logger: in a worker, vLLM configures handlers for "vllm" only.
 logger = logging.getLogger(f"vllm.{__name__}")
 
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
+# A numbered block of the model: everything vLLM stacks into one module lies inside one.
+_BLOCK = re.compile(r"\.(?:layers|blocks|h|layer)\.\d+\.")
 
 Weights = list[tuple[str, torch.Tensor]]
 
@@ -47,15 +50,16 @@ def parse_cores(text: str | None) -> list[int]:
 
 
 def split_by_layer(weights: Weights, parts: int) -> list[Weights]:
-    """`weights` in at most `parts` groups of about equal bytes, each decoder layer whole.
+    """`weights` in at most `parts` groups of about equal bytes, each block whole, and every name
+    outside the numbered blocks in one group.
 
-    Units (a layer's weights, or one name outside any layer) go to the group with the fewest
+    Units (a block's weights, or all names outside the blocks) go to the group with the fewest
     bytes so far, largest unit first; each group keeps the bucket's order. Empty groups dropped.
     """
     units: dict[str, list[int]] = {}  # unit key -> positions in `weights`
     for position, (name, _) in enumerate(weights):
-        match = _LAYER.search(name)
-        key = name[: match.end()] if match else name
+        match = _BLOCK.search(name)
+        key = name[: match.end()] if match else ""  # "": outside any block, all together
         units.setdefault(key, []).append(position)
     sizes = {key: sum(weights[i][1].nbytes for i in positions) for key, positions in units.items()}
     loads = [0] * max(1, parts)
