@@ -120,7 +120,8 @@ class EngineConfig(StrictModel):
             "every core the server may run on (during a sync the engine is paused and a "
             "colocated trainer waits for it), one thread per extra core, whole decoder layers "
             "per thread; 'own': the worker's own cores only (vLLM's load as it is); or a list "
-            "of CPU ids."
+            "of CPU ids. Passed as VIME_SYNC_LOAD_CORES; an engine vime does not launch reads "
+            "that variable from its own environment."
         ),
     )
     extra_args: list[str] = Field(
