@@ -3,10 +3,11 @@ architecture in the converter registry, into real vLLM CPU servers.
 
 Each server starts on one random model and gets another one through the shm backend (vLLM's
 trainer-side API, small buckets so that layers span buckets); every served tensor must then equal
-the new weights bit for bit and greedy output must equal HF transformers on them. The server's log
-must say that the load ran on more than one thread (the worker's own pinned thread plus one per
-extra core), so these checks cover the parallel path. The MoE case is an expected failure: vLLM
-0.32's CPU MoE kernel keeps its old prepacked weights after any weight update (MOE_STALE_PREPACK).
+the new weights bit for bit and greedy output must equal HF transformers on them. The worker must
+have loaded buckets on more than one thread (its own pinned thread plus one per extra core), so
+these checks cover the parallel path. The MoE case's greedy comparison is an expected failure:
+vLLM 0.32's CPU MoE kernel keeps its old prepacked weights after any weight update
+(MOE_STALE_PREPACK).
 """
 
 from __future__ import annotations
@@ -99,15 +100,7 @@ MOE_STALE_PREPACK = (
 )
 
 
-@pytest.mark.parametrize(
-    "preset",
-    [
-        *(p for p in ARCHITECTURES if p != VLLM_REFERENCE),
-        pytest.param(
-            VLLM_REFERENCE, marks=pytest.mark.xfail(strict=True, reason=MOE_STALE_PREPACK)
-        ),
-    ],
-)
+@pytest.mark.parametrize("preset", ARCHITECTURES)
 def test_parallel_load_serves_exact_weights(served, preset):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm.distributed.weight_transfer.base import ModuleSource
@@ -141,12 +134,13 @@ def test_parallel_load_serves_exact_weights(served, preset):
     mismatched = sorted(n for n in expected.keys() | served_digests.keys()
                         if expected.get(n) != served_digests.get(n))  # fmt: skip
     assert not mismatched, f"{preset}: served tensors differ from the new weights: {mismatched}"
+    # The parallel path ran: buckets loaded on more than one thread, as the worker counted them.
+    stats = server.rpc("vime_weight_update_stats")
+    assert stats["parallel_buckets"] > 0, (preset, stats)
     if reference is None:
         assert server.greedy(prompt_ids) == _hf_greedy(new, prompt_ids)
-    else:
-        assert server.greedy(prompt_ids) == reference.greedy(prompt_ids)
-    log = server.process.log_path.read_text(errors="replace")
-    assert "weight load on 2 threads" in log or "weight load on 3 threads" in log, (
-        f"{preset}: the server did not load on several threads; its log says: "
-        + "\n".join(line for line in log.splitlines() if "weight load on" in line)
-    )
+        return
+    # Qwen3-MoE: only the greedy comparison is an expected failure, and it must fail as expected.
+    synced, fresh = server.greedy(prompt_ids), reference.greedy(prompt_ids)
+    assert synced != fresh, "vLLM's CPU MoE now refreshes its prepack: drop MOE_STALE_PREPACK"
+    pytest.xfail(MOE_STALE_PREPACK)

@@ -37,43 +37,46 @@ def _layer(name: str) -> str:
 
 def test_split_keeps_each_layer_on_one_thread_and_balances_bytes():
     weights = _bucket()
-    groups = split_by_layer(weights, 2)
+    outside, groups = split_by_layer(weights, 2)
     assert len(groups) == 2
-    # Every weight once, each group in the bucket's order.
-    assert sorted(n for g in groups for n, _ in g) == sorted(n for n, _ in weights)
+    # Every weight once; names outside the blocks apart, to be loaded first and alone.
+    assert [n for n, _ in outside] == [
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ]
+    everything = [n for g in [outside, *groups] for n, _ in g]
+    assert sorted(everything) == sorted(n for n, _ in weights)
     order = [n for n, _ in weights]
-    for group in groups:
+    for group in groups:  # each group in the bucket's order
         positions = [order.index(n) for n, _ in group]
         assert positions == sorted(positions)
-    # layers.1 (not contiguous in the bucket) and layers.10 are distinct units, each whole; the
-    # embedding, final norm and head are one unit.
+    # layers.1 (not contiguous in the bucket) and layers.10 are distinct blocks, each whole.
     owner = {}
     for index, group in enumerate(groups):
         for name, _ in group:
             assert owner.setdefault(_layer(name), index) == index, name
-    assert owner.keys() == {
-        "model.layers.0",
-        "model.layers.1",
-        "model.layers.10",
-        "outside the blocks",
-    }
+    assert owner.keys() == {"model.layers.0", "model.layers.1", "model.layers.10"}
     sizes = sorted(sum(t.nbytes for _, t in g) for g in groups)
-    assert sizes == [(40 + 20 + 60 + 40 + 60 + 100 + 2) * 4, (300 + 2 + 300) * 4]
+    # Largest block first to the lighter group: layers.0 (120 floats), then layers.1 (102) and
+    # layers.10 (100) to the other.
+    assert sizes == [120 * 4, (102 + 100) * 4]
 
 
 def test_split_keeps_other_numbered_blocks_whole():
     names = ["visual.blocks.0.attn.qkv.weight", "visual.blocks.0.attn.qkv.bias"]
     names += ["transformer.h.3.attn.c_attn.weight", "transformer.h.3.attn.c_attn.bias"]
     weights = [(name, torch.zeros(4)) for name in names]
-    groups = split_by_layer(weights, 4)
-    assert sorted(len(group) for group in groups) == [2, 2]
+    outside, groups = split_by_layer(weights, 4)
+    assert outside == [] and sorted(len(group) for group in groups) == [2, 2]
 
 
-def test_split_into_one_or_more_groups_than_units():
+def test_split_into_one_or_more_groups_than_blocks():
     weights = _bucket()
-    assert split_by_layer(weights, 1) == [weights]
-    groups = split_by_layer(weights[:2], 8)  # two units: two groups, no empty ones
-    assert len(groups) == 2
+    outside, groups = split_by_layer(weights, 1)
+    assert len(groups) == 1 and len(outside) + len(groups[0]) == len(weights)
+    _, groups = split_by_layer(weights[:3], 8)  # one block: one group, no empty ones
+    assert len(groups) == 1
 
 
 def test_parse_cores():
@@ -102,8 +105,11 @@ def test_core_threads_run_on_the_extra_cores_and_raise_after_all_finished():
         assert threads.extra == others and threads.num_threads == len(before)
         seen: dict[int, set[int]] = {}
         lock = threading.Lock()
+        # Every task waits for all: no idle helper can take two of them, so each runs on its own.
+        barrier = threading.Barrier(threads.num_threads, timeout=30)
 
         def record(group):
+            barrier.wait()
             with lock:
                 seen[group[0]] = os.sched_getaffinity(0)
 

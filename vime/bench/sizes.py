@@ -23,8 +23,13 @@ class Fit:
     method: str
     dtype: str
     points: list[tuple[float, float]]  # (GB, seconds), one per size
-    slope_gbps: float | None  # None when the time does not grow with the bytes
+    seconds_per_gb: float  # the fitted line's gradient (may be <= 0 on noisy points)
     intercept_s: float
+
+    @property
+    def slope_gbps(self) -> float | None:
+        """GB per second of marginal cost; None when the time does not grow with the bytes."""
+        return 1.0 / self.seconds_per_gb if self.seconds_per_gb > 0 else None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -32,6 +37,7 @@ class Fit:
             "dtype": self.dtype,
             "points_gb_s": self.points,
             "slope_gb_per_s": self.slope_gbps,
+            "seconds_per_gb": self.seconds_per_gb,
             "intercept_s": self.intercept_s,
         }
 
@@ -73,8 +79,7 @@ def fit_sizes(results: list[DtypeResult]) -> list[Fit]:
             if len(points) < 2:
                 continue
             per_gb, intercept = fit_line(sorted(points))
-            slope = 1.0 / per_gb if per_gb > 0 else None
-            fits.append(Fit(method, dtype, sorted(points), slope, intercept))
+            fits.append(Fit(method, dtype, sorted(points), per_gb, intercept))
     return fits
 
 
@@ -93,7 +98,7 @@ def format_sizes(presets: list[str], results: list[DtypeResult], fits: list[Fit]
     lines.append("")
     lines.append("fit: seconds = intercept + GB / slope (least squares over the sizes)")
     for fit in fits:
-        slope = f"{fit.slope_gbps:6.2f} GB/s" if fit.slope_gbps else "  flat     "
+        slope = f"{fit.slope_gbps:6.2f} GB/s" if fit.slope_gbps else "  not > 0  "
         lines.append(
             f"  {fit.dtype:9s} {fit.method:6s} slope {slope}  intercept {fit.intercept_s:+.3f} s"
             f"  ({len(fit.points)} sizes)"
@@ -115,9 +120,9 @@ def plot_sizes(fits: list[Fit], path: Path, title: str) -> Path:
             xs = [x for x, _ in fit.points]
             ys = [y for _, y in fit.points]
             (line,) = axis.plot(xs, ys, "o")
-            per_gb = 1.0 / fit.slope_gbps if fit.slope_gbps else 0.0
+            per_gb = fit.seconds_per_gb
             ends = [0.0, max(xs)]
-            slope = f"{fit.slope_gbps:.2f} GB/s" if fit.slope_gbps else "flat"
+            slope = f"{fit.slope_gbps:.2f} GB/s" if fit.slope_gbps else "no growth"
             axis.plot(
                 ends,
                 [fit.intercept_s + per_gb * x for x in ends],

@@ -148,7 +148,9 @@ def quartiles(values: list[float]) -> tuple[float, float]:
 def summarize(results: list[DtypeResult]) -> list[str]:
     """The issue's ratios, each one line."""
     lines = []
+    several_models = len({r.preset for r in results}) > 1
     for result in results:
+        label = f"{result.preset} {result.dtype}" if several_models else result.dtype
         means = {m.method: m.typical() for m in result.measurements}
         by_method = {method: mean.get("total", 0.0) for method, mean in means.items()}
         for method in ("shm", "gloo"):
@@ -156,8 +158,7 @@ def summarize(results: list[DtypeResult]) -> list[str]:
                 continue
             total = by_method[method]
             line = (
-                f"{result.dtype} {method}: {total:.3f} s = {total / result.floor_s:.1f}x the "
-                f"memcpy floor"
+                f"{label} {method}: {total:.3f} s = {total / result.floor_s:.1f}x the memcpy floor"
             )
             load = means[method].get("engine_load", 0.0)
             if load:
@@ -174,7 +175,7 @@ def summarize(results: list[DtypeResult]) -> list[str]:
         if control is not None and control.iterations:
             low, high = quartiles([it["total"] for it in control.iterations])
             lines.append(
-                f"{result.dtype} control plane (no bytes): {by_method['control'] * 1e3:.1f} ms, "
+                f"{label} control plane (no bytes): {by_method['control'] * 1e3:.1f} ms, "
                 f"median of {len(control.iterations)} sessions (quartiles {low * 1e3:.1f}-"
                 f"{high * 1e3:.1f} ms); {control_breakdown(control)}"
             )

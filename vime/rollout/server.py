@@ -203,6 +203,8 @@ def build_server_command(
         load_cores = sync_load_cores(config.cpu_sync_load_cores)
         if load_cores:
             env[LOAD_CORES_ENV] = ",".join(map(str, load_cores))
+        else:
+            env.pop(LOAD_CORES_ENV, None)  # "own": not even an inherited value
         if config.cpu_reuse_freed_memory:
             tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
             env["GLIBC_TUNABLES"] = ":".join([*tunables, *REUSE_FREED_MEMORY_TUNABLES])

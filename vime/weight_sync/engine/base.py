@@ -56,7 +56,14 @@ class BucketEngine(WeightTransferEngine):
         initialize_layerwise_reload(self.model)
         started = time.perf_counter() - began
         self.stats = dict(
-            start=started, receive=0.0, load=0.0, finish=0.0, requests=0, buckets=0, bytes=0
+            start=started,
+            receive=0.0,
+            load=0.0,
+            finish=0.0,
+            requests=0,
+            buckets=0,
+            parallel_buckets=0,  # loaded on more than one thread
+            bytes=0,
         )
 
     def finish_weight_update(self) -> None:
@@ -96,7 +103,12 @@ class BucketEngine(WeightTransferEngine):
         if threads is None:
             load(weights)
         else:
-            threads.run(load, split_by_layer(weights, threads.num_threads))
+            outside, groups = split_by_layer(weights, threads.num_threads)
+            if outside:
+                load(outside)
+            threads.run(load, groups)
+            if len(groups) > 1:
+                self.stats["parallel_buckets"] += 1
         self._count("load", began)
         self.stats["buckets"] += 1
         self.stats["bytes"] += sum(t.nbytes for _, t in weights)

@@ -5,9 +5,9 @@ weight into its layer, repack every linear weight into oneDNN's layout) runs on 
 a sync the engine is paused and a colocated trainer waits for it: their cores are idle. The server
 gets the cores a worker may load on in `VIME_SYNC_LOAD_CORES` (from `engine.cpu_sync_load_cores`);
 each extra core gets one thread, pinned to it, and a bucket's weights are split between the worker's
-own thread and those by whole units: every weight of one numbered block (`.layers.N.`,
-`.blocks.N.`, `.h.N.`, `.layer.N.`) together, and all other names (embeddings, final norm, head)
-as one more unit. A vLLM module's weights (q, k and v of one qkv_proj; gate and up) never meet two
+own thread and those by whole numbered blocks (`.layers.N.`, `.blocks.N.`, `.h.N.`, `.layer.N.`);
+all other names (embeddings, final norm, head) load first, on the worker's thread alone. A vLLM
+module's weights (q, k and v of one qkv_proj; gate and up) never meet two
 threads, so vLLM's per-layer bookkeeping (which processes a layer when its last weight arrives)
 sees each layer from one thread, as it does now. Threads run the same `model.load_weights` on
 disjoint layers; what they write is the same as one thread's load, bit for bit (the tests
@@ -49,26 +49,33 @@ def parse_cores(text: str | None) -> list[int]:
         ) from None
 
 
-def split_by_layer(weights: Weights, parts: int) -> list[Weights]:
-    """`weights` in at most `parts` groups of about equal bytes, each block whole, and every name
-    outside the numbered blocks in one group.
+def split_by_layer(weights: Weights, parts: int) -> tuple[Weights, list[Weights]]:
+    """(names outside the numbered blocks, the blocks' weights in at most `parts` groups).
 
-    Units (a block's weights, or all names outside the blocks) go to the group with the fewest
-    bytes so far, largest unit first; each group keeps the bucket's order. Empty groups dropped.
+    The first part is loaded alone, before the groups: its modules (embeddings, tied with the
+    head in some models, final norm) are walked by every thread's `load_weights` when it starts,
+    so they are not re-registered by one thread while another walks them. Blocks go whole to the
+    group with the fewest bytes so far, largest first; each group keeps the bucket's order;
+    empty groups are dropped.
     """
-    units: dict[str, list[int]] = {}  # unit key -> positions in `weights`
+    outside: list[int] = []
+    blocks: dict[str, list[int]] = {}  # block prefix -> positions in `weights`
     for position, (name, _) in enumerate(weights):
         match = _BLOCK.search(name)
-        key = name[: match.end()] if match else ""  # "": outside any block, all together
-        units.setdefault(key, []).append(position)
-    sizes = {key: sum(weights[i][1].nbytes for i in positions) for key, positions in units.items()}
+        if match:
+            blocks.setdefault(name[: match.end()], []).append(position)
+        else:
+            outside.append(position)
+    sizes = {key: sum(weights[i][1].nbytes for i in positions) for key, positions in blocks.items()}
     loads = [0] * max(1, parts)
     groups: list[list[int]] = [[] for _ in loads]
-    for key in sorted(units, key=lambda k: -sizes[k]):
+    for key in sorted(blocks, key=lambda k: -sizes[k]):
         target = loads.index(min(loads))
-        groups[target].extend(units[key])
+        groups[target].extend(blocks[key])
         loads[target] += sizes[key]
-    return [[weights[i] for i in sorted(group)] for group in groups if group]
+    return [weights[i] for i in outside], [
+        [weights[i] for i in sorted(group)] for group in groups if group
+    ]
 
 
 class CoreThreads:
@@ -97,7 +104,10 @@ class CoreThreads:
     def _pin(self) -> None:
         with self._lock:
             core = self._free.pop()
-        os.sched_setaffinity(0, {core})  # this thread only (Linux: pid 0 is the caller)
+        try:
+            os.sched_setaffinity(0, {core})  # this thread only (Linux: pid 0 is the caller)
+        except OSError as exc:  # e.g. a core outside this engine's cpuset: run unpinned
+            logger.warning("weight load thread not pinned to core %d: %s", core, exc)
 
     def run(self, fn: Callable[[Weights], Any], groups: list[Weights]) -> None:
         if self._executor is None or len(groups) <= 1:
@@ -133,6 +143,10 @@ class CoreThreads:
 def core_threads_from_env() -> CoreThreads | None:
     """The worker's load threads from VIME_SYNC_LOAD_CORES; None (vLLM's one-thread load, with a
     log line saying why) when it names no core beyond the worker's own."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():  # GPU loads are kernels; threads would only add risk
+        return None
     cores = parse_cores(os.environ.get(LOAD_CORES_ENV))
     if not cores:
         logger.info("weight load on the worker's own cores: %s is not set", LOAD_CORES_ENV)
