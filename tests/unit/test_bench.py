@@ -142,7 +142,7 @@ def test_size_fit_recovers_slope_and_intercept(tmp_path):
     assert fits["shm"].intercept_s == pytest.approx(0.2)
     assert fits["floor"].slope_gbps == pytest.approx(10.0)
     assert fits["floor"].intercept_s == pytest.approx(0.0, abs=1e-9)
-    table = format_sizes(["a", "b", "c"], results, list(fits.values()))
+    table = format_sizes(results, list(fits.values()))
     assert "shm    slope   2.00 GB/s  intercept +0.200 s  (3 sizes)" in table
     assert plot_sizes(list(fits.values()), tmp_path / "sizes.png", "t").stat().st_size > 1000
 

@@ -78,23 +78,23 @@ def fit_sizes(results: list[DtypeResult]) -> list[Fit]:
                     points.append((result.num_bytes / 1e9, seconds))
             if len(points) < 2:
                 continue
-            per_gb, intercept = fit_line(sorted(points))
-            fits.append(Fit(method, dtype, sorted(points), per_gb, intercept))
+            points.sort()
+            per_gb, intercept = fit_line(points)
+            fits.append(Fit(method, dtype, points, per_gb, intercept))
     return fits
 
 
-def format_sizes(presets: list[str], results: list[DtypeResult], fits: list[Fit]) -> str:
+def format_sizes(results: list[DtypeResult], fits: list[Fit]) -> str:
     """Seconds per size and method, then each method's slope and intercept."""
     header = f"{'model':22s}  {'dtype':9s} {'GB':>5s}    "
     lines = [header + "  ".join(f"{m:>7}" for m in SIZE_METHODS)]
-    for preset, result in zip(presets, results, strict=True):
+    for result in results:
         cells = []
         for method in SIZE_METHODS:
             seconds = method_seconds(result, method)
             cells.append(f"{seconds:7.3f}" if seconds is not None else f"{'':>7}")
-        lines.append(
-            f"{preset:22s}  {result.dtype:9s} {result.num_bytes / 1e9:5.2f}    " + "  ".join(cells)
-        )
+        gb = result.num_bytes / 1e9
+        lines.append(f"{result.preset:22s}  {result.dtype:9s} {gb:5.2f}    " + "  ".join(cells))
     lines.append("")
     lines.append("fit: seconds = intercept + GB / slope (least squares over the sizes)")
     for fit in fits:

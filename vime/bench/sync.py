@@ -318,7 +318,6 @@ def report(args: argparse.Namespace, argv: list[str], results: list[DtypeResult]
         ],
         "summary": summarize(results),
     }
-    presets = args.sizes or [args.preset]
     fits = fit_sizes(results) if args.sizes else []
     if fits:
         document["size_fits"] = [fit.as_dict() for fit in fits]
@@ -333,9 +332,9 @@ def report(args: argparse.Namespace, argv: list[str], results: list[DtypeResult]
     print(format_table(results))
     print("\n".join(["", *document["summary"], f"figures: {path}"]))
     if fits:
-        print("\n" + format_sizes([r.preset for r in results], results, fits))
+        print("\n" + format_sizes(results, fits))
         plot = plot_sizes(fits, out / "bench_sync_sizes.png", "vime bench-sync: seconds vs bytes")
-        print(f"plot: {plot} ({len(presets)} sizes)")
+        print(f"plot: {plot} ({len(args.sizes)} sizes)")
 
 
 if __name__ == "__main__":

@@ -73,6 +73,13 @@ class DtypeResult:
 # ---- the report --------------------------------------------------------------------------------
 
 
+def result_labels(results: list[DtypeResult]) -> list[str]:
+    """How the table and the summary name each result: its dtype, and its model when the run
+    measured several (`--sizes`)."""
+    several_models = len({r.preset for r in results}) > 1
+    return [f"{r.preset} {r.dtype}" if several_models else r.dtype for r in results]
+
+
 def format_table(results: list[DtypeResult]) -> str:
     """The screen table: seconds per phase of the median sync, pause -> resume, GB/s, x floor.
 
@@ -85,9 +92,7 @@ def format_table(results: list[DtypeResult]) -> str:
     header = ["dtype", "method", "n", "req", *(names.get(c, c) for c in columns)]
     header += ["total", "GB/s", "x floor"]
     rows = []
-    several_models = len({r.preset for r in results}) > 1
-    for result in results:
-        label = f"{result.preset} {result.dtype}" if several_models else result.dtype
+    for result, label in zip(results, result_labels(results), strict=True):
         floors = [
             (f"memcpy {result.num_cores} cores", result.floor_s),
             ("memcpy 1 core", result.floor_pinned_s),
@@ -148,9 +153,7 @@ def quartiles(values: list[float]) -> tuple[float, float]:
 def summarize(results: list[DtypeResult]) -> list[str]:
     """The issue's ratios, each one line."""
     lines = []
-    several_models = len({r.preset for r in results}) > 1
-    for result in results:
-        label = f"{result.preset} {result.dtype}" if several_models else result.dtype
+    for result, label in zip(results, result_labels(results), strict=True):
         means = {m.method: m.typical() for m in result.measurements}
         by_method = {method: mean.get("total", 0.0) for method, mean in means.items()}
         for method in ("shm", "gloo"):

@@ -4,6 +4,7 @@ vLLM's layerwise reload around an update with every bucket loaded from views of 
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -40,14 +41,11 @@ class BucketEngine(WeightTransferEngine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.stats: dict[str, float] = {}
-        self._threads: CoreThreads | None = None
-        self._threads_read = False
 
+    @functools.cached_property
     def _load_threads(self) -> CoreThreads | None:
-        # Read on the first load, on the thread that loads (the worker's own, pinned one).
-        if not self._threads_read:
-            self._threads, self._threads_read = core_threads_from_env(), True
-        return self._threads
+        # Made on the first load, on the thread that loads (the worker's own, pinned one).
+        return core_threads_from_env()
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -99,7 +97,7 @@ class BucketEngine(WeightTransferEngine):
                 self.model.load_weights(group)
 
         began = time.perf_counter()
-        threads = self._load_threads()
+        threads = self._load_threads
         if threads is None:
             load(weights)
         else:
