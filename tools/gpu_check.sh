@@ -1,10 +1,29 @@
 #!/usr/bin/env bash
-# For a lent single GPU (no vLLM there), in under 5 minutes: the shipped IpcTransport into a
-# receiving process (bit-exact, timed), then the gpu test tier. NcclTransport needs vLLM's pynccl,
-# which cannot be installed there: it stays unchecked until a GPU machine with vLLM runs it.
-# Needs torch with CUDA and numpy/pydantic/pyyaml importable; prints JSON figures.
+# For a lent single GPU (no vLLM there), in about 5 minutes:
+#  1. the shipped IpcTransport into a receiving process that opens each handle as vLLM 0.32's
+#     packed IPC consumer does (bit-exact, timed), at two bucket sizes and for a whole
+#     Qwen2.5-7B-shaped model (15.2 GB bf16, 512 MiB buckets);
+#  2. the gpu test tier: the trainer on the GPU (vime's init_process_group: NCCL, the device of
+#     LOCAL_RANK; batches moved to the model's device) trains like the CPU, and the weights it
+#     gathers go through IpcTransport bit for bit.
+# NcclTransport wraps vLLM's NCCL trainer engine (pynccl), which cannot be installed there, and
+# NCCL refuses two ranks on one GPU: it stays unchecked until a machine with 2 GPUs and vLLM runs
+# it. Needs torch with CUDA, megatron-core, pydantic, pyyaml, safetensors, transformers, pytest.
+# PYTHON picks the interpreter (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-timeout 240 python -m vime.weight_sync.ipc_check --mib 512 --repeats 5
-timeout 60 python -m pytest -q -m gpu tests/gpu -p no:cacheprovider
+py=${PYTHON:-python3}
+nvidia-smi -L
+"$py" -c "import torch, megatron.core; print('torch', torch.__version__, torch.cuda.get_device_name())"
+failed=()  # every part runs, whatever an earlier one did; the exit status says if any failed
+timeout 90 "$py" -m vime.weight_sync.ipc_check --mib 512 --repeats 5 || failed+=(ipc-512)
+timeout 120 "$py" -m vime.weight_sync.ipc_check --mib 4096 --repeats 3 || failed+=(ipc-4096)
+timeout 240 "$py" -m vime.weight_sync.ipc_check --shape qwen2.5-7b --mib 512 --repeats 2 ||
+  failed+=(ipc-7b)
+timeout 240 "$py" -m pytest -q -m gpu tests/gpu -p no:cacheprovider || failed+=(gpu-tests)
+if ((${#failed[@]})); then
+  echo "gpu_check FAILED: ${failed[*]}"
+  exit 1
+fi
+echo "gpu_check passed"

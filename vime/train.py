@@ -57,6 +57,7 @@ from vime.rollout.auth import new_token
 from vime.rollout.recovery import EngineRecovery
 from vime.rollout.watchdog import EngineWatchdog
 from vime.trainer import TrainerConfig
+from vime.utils.dist_env import init_process_group
 from vime.utils.lifetime import watch_parent
 from vime.utils.net import is_loopback
 from vime.weight_sync.session import WeightSyncError
@@ -203,14 +204,7 @@ abort = _Abort()
 
 
 def _init_distributed(config: TrainConfig) -> tuple[int, int]:
-    backend = "gloo"
-    if torch.cuda.is_available():
-        # One GPU per local rank, before anything touches CUDA (else every rank uses cuda:0).
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl"
-    timeout = timedelta(seconds=config.weight_sync.barrier_timeout_s)
-    dist.init_process_group(backend=backend, timeout=timeout)
-    return dist.get_rank(), dist.get_world_size()
+    return init_process_group(timedelta(seconds=config.weight_sync.barrier_timeout_s))
 
 
 def _launch_engines(config: TrainConfig, run_dir: Path, address: str):

@@ -114,6 +114,11 @@ class MegatronTrainer:
         dp_group: Any = None,
     ):
         torch.manual_seed(config.seed)
+        if torch.cuda.is_available():
+            # megatron's layers fork its CUDA RNG tracker (dropout); the CPU shims stub it.
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
         self.config = config
         self.grpo = grpo
         self.topology = topology

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 
 def default_to_single_process() -> None:
@@ -17,3 +18,20 @@ def default_to_single_process() -> None:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(free_port()),
         )
+
+
+def init_process_group(timeout: timedelta) -> tuple[int, int]:
+    """Join torchrun's world: NCCL on the GPU of this LOCAL_RANK when CUDA exists, else gloo.
+
+    The device is set before anything touches CUDA (else every rank of a node uses cuda:0).
+    Returns (rank, world size).
+    """
+    import torch
+    import torch.distributed as dist
+
+    backend = "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    dist.init_process_group(backend=backend, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size()

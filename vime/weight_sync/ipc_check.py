@@ -16,6 +16,7 @@ import base64
 import json
 import pickle
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -27,14 +28,26 @@ from vime.weight_sync.transports.ipc import IpcTransport
 
 
 def _consumer(requests: Any, answers: Any) -> None:
-    """The engine's side, one update_info after another until None."""
+    """The engine's side, one update_info after another until None, as vLLM 0.32's packed IPC
+    consumer does it: the handle for this GPU's UUID, the device index replaced by the
+    receiver's, one mapping per export (kept while the args repeat, released once), each tensor
+    cloned out before the answer."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    device_index = torch.cuda.current_device()
+    uuid = str(torch.cuda.get_device_properties(device_index).uuid)
+    mapped: tuple[tuple, torch.Tensor] | None = None
     while (info := requests.get()) is not None:
         started = time.perf_counter()
         handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))  # local, trusted
-        buffer = rebuild_cuda_tensor(*handles[uuid])
+        if uuid not in handles:
+            answers.put({"error": f"no handle for GPU {uuid}: {sorted(handles)}"})
+            continue
+        args = list(handles[uuid])
+        args[6] = device_index
+        if mapped is None or mapped[0] != tuple(args):
+            mapped = (tuple(args), rebuild_cuda_tensor(*args))
+        buffer = mapped[1]
         offsets = [sum(info["tensor_sizes"][:i]) for i in range(len(info["tensor_sizes"]))]
         described = {
             "index": 0,
@@ -45,44 +58,38 @@ def _consumer(requests: Any, answers: Any) -> None:
             "shapes": info["shapes"],
         }
         bucket = Bucket.from_dict(described)
-        # Clone out, as vLLM's packed IPC consumer does before answering, then drop the mapping.
         views = {name: view.clone() for name, view in unpack(buffer[: bucket.nbytes], bucket)}
         torch.cuda.synchronize()
         read_s = time.perf_counter() - started
-        del buffer
-        answers.put({"read_s": read_s, "digests": {n: tensor_digest(t) for n, t in views.items()}})
+        digests = {n: tensor_digest(t) for n, t in views.items()}  # the check's own cost
+        digest_s = time.perf_counter() - started - read_s
+        answers.put({"read_s": read_s, "digest_s": digest_s, "digests": digests})
+    mapped = None
 
 
-def run_check(num_mib: int, repeats: int) -> dict:
-    if not torch.cuda.is_available():
-        raise RuntimeError("ipc_check needs CUDA")
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    numel = num_mib * 1024**2 // 2 // 4
-    tensors = {
-        "model.layers.0.mlp.up_proj.weight": torch.randn(
-            numel, device="cuda", dtype=torch.bfloat16, generator=generator
-        ),
-        "model.layers.0.self_attn.q_proj.weight": torch.randn(
-            numel // 2, device="cuda", dtype=torch.float32, generator=generator
-        ),
-        "model.norm.weight": torch.randn(4096, device="cuda", dtype=torch.float32),
-    }
+def send_through_ipc(
+    tensors: Mapping[str, torch.Tensor], bucket_bytes: int, repeats: int = 1
+) -> list[dict[str, Any]]:
+    """Send `tensors` (on this GPU) through the shipped IpcTransport to a consumer process,
+    `repeats` times; per run: timings and whether the consumer read every tensor bit for bit."""
     meta = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
-    # Two buckets: the transport reuses its one staging buffer across them.
-    buckets = plan_buckets(meta, max_bucket_bytes=num_mib * 1024**2 // 2, alignment=1)
+    buckets = plan_buckets(meta, max_bucket_bytes=bucket_bytes, alignment=IpcTransport.alignment)
     expected = {name: tensor_digest(t) for name, t in tensors.items()}
     ctx = mp.get_context("spawn")
     requests, answers = ctx.Queue(), ctx.Queue()
-    consumer = ctx.Process(target=_consumer, args=(requests, answers))
+    consumer = ctx.Process(target=_consumer, args=(requests, answers), daemon=True)
     consumer.start()
     seen: dict[str, str] = {}
-    timer = {"pack": 0.0}
+    timer: dict[str, float] = {}
 
     def update_weights(info: dict) -> None:  # what VLLMEngine.update_weights would POST
         requests.put(info)
         answer = answers.get(timeout=120)
+        if "error" in answer:
+            raise RuntimeError(answer["error"])
         seen.update(answer["digests"])
-        timer["read"] = timer.get("read", 0.0) + answer["read_s"]
+        timer["read"] += answer["read_s"]
+        timer["digest"] += answer["digest_s"]
 
     def fill(bucket: Bucket, buffer: torch.Tensor) -> None:
         began = time.perf_counter()
@@ -96,28 +103,86 @@ def run_check(num_mib: int, repeats: int) -> dict:
         transport.connect([lambda info: None])
         for _ in range(repeats):
             seen.clear()
-            timer.clear()
-            timer["pack"] = 0.0
+            timer.update(pack=0.0, read=0.0, digest=0.0)
             started = time.perf_counter()
             transport.send_buckets(buckets, fill, [update_weights])
-            total_s = time.perf_counter() - started
+            # The consumer's sha256 of what it read (on the CPU) is the check, not the transfer.
+            total_s = time.perf_counter() - started - timer["digest"]
             results.append(
                 {
                     "buckets": len(buckets),
+                    "bytes": sum(b.nbytes for b in buckets),
                     "total_s": total_s,
                     "pack_s": timer["pack"],
-                    "consumer_open_read_s": timer.get("read", 0.0),
+                    "consumer_open_read_s": timer["read"],
+                    "check_digest_s": timer["digest"],
                     "GBps": sum(b.nbytes for b in buckets) / total_s / 1e9,
                     "bit_exact": seen == expected,
+                    "mismatched": sorted(n for n in expected if seen.get(n) != expected[n])[:5],
                 }
             )
     finally:
         requests.put(None)
         consumer.join(timeout=60)
+        if consumer.is_alive():
+            consumer.kill()
         transport.close()
+    return results
+
+
+def qwen2_7b_shapes() -> dict[str, tuple[int, ...]]:
+    """Qwen2.5-7B's HF tensors (28 layers, hidden 3584, GQA 28/4 heads, MLP 18944, vocab
+    152064, untied head): 7.6 B parameters, the model of the README's GPU projection."""
+    hidden, mlp, kv, vocab = 3584, 18944, 512, 152064
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for layer in range(28):
+        p = f"model.layers.{layer}."
+        shapes |= {
+            p + "input_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (hidden, hidden),
+            p + "self_attn.q_proj.bias": (hidden,),
+            p + "self_attn.k_proj.weight": (kv, hidden),
+            p + "self_attn.k_proj.bias": (kv,),
+            p + "self_attn.v_proj.weight": (kv, hidden),
+            p + "self_attn.v_proj.bias": (kv,),
+            p + "self_attn.o_proj.weight": (hidden, hidden),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "mlp.gate_proj.weight": (mlp, hidden),
+            p + "mlp.up_proj.weight": (mlp, hidden),
+            p + "mlp.down_proj.weight": (hidden, mlp),
+        }
+    return shapes | {"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+
+
+def run_check(num_mib: int, repeats: int, shape: str | None = None) -> dict:
+    if not torch.cuda.is_available():
+        raise RuntimeError("ipc_check needs CUDA")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    if shape == "qwen2.5-7b":
+        # bf16 weights in buckets of `num_mib` MiB, as a sync of that model would send them.
+        tensors = {
+            name: torch.randn(dims, device="cuda", dtype=torch.bfloat16, generator=generator)
+            for name, dims in qwen2_7b_shapes().items()
+        }
+        bucket_bytes = num_mib * 1024**2
+    else:
+        numel = num_mib * 1024**2 // 2 // 4
+        tensors = {
+            "model.layers.0.mlp.up_proj.weight": torch.randn(
+                numel, device="cuda", dtype=torch.bfloat16, generator=generator
+            ),
+            "model.layers.0.self_attn.q_proj.weight": torch.randn(
+                numel // 2, device="cuda", dtype=torch.float32, generator=generator
+            ),
+            "model.norm.weight": torch.randn(4096, device="cuda", dtype=torch.float32),
+        }
+        # Two buckets: the transport reuses its one staging buffer across them.
+        bucket_bytes = num_mib * 1024**2 // 2
+    results = send_through_ipc(tensors, bucket_bytes, repeats)
     return {
         "device": torch.cuda.get_device_name(),
-        "bytes": sum(b.nbytes for b in buckets),
+        "shape": shape or f"3 tensors, {num_mib} MiB",
+        "bytes": results[0]["bytes"],
         "runs": results,
         "all_bit_exact": all(r["bit_exact"] for r in results),
     }
@@ -127,8 +192,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=256, help="approximate bucket size in MiB")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--shape",
+        choices=["qwen2.5-7b"],
+        help="send a whole model's tensors (random bf16) in --mib buckets instead of 3 tensors",
+    )
     args = parser.parse_args()
-    report = run_check(args.mib, args.repeats)
+    report = run_check(args.mib, args.repeats, args.shape)
     print(json.dumps(report, indent=2))
     if not report["all_bit_exact"]:
         raise SystemExit(1)
