@@ -192,6 +192,7 @@ def test_gloo_backend_syncs_exact_weights(servers, reference):
 
     new = reference["new"]["weights"]
     check_against_engine(_specs(new), server.rpc("vime_weight_metadata"))
+    assert server.rpc("vime_gpu_uuid") is None  # a CPU worker: the ipc placement check refuses it
     buckets = plan_buckets(_specs(new), MAX_BUCKET_BYTES, alignment=GlooTransport.alignment)
     assert len(buckets) >= 4
     assert any(b.nbytes > MAX_BUCKET_BYTES for b in buckets)  # an oversize tensor alone

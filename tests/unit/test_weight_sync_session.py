@@ -204,3 +204,17 @@ def test_registry_builds_each_kind_and_refuses_nccl_across_stages():
     assert make_transport(IpcTransportConfig(), place(1)).backend == "ipc"
     with pytest.raises(ValueError, match="pipeline parallel size 2.*Use transport gloo"):
         make_transport(NcclTransportConfig(), place(2))
+
+
+def test_ipc_placement_refuses_engine_workers_off_the_senders_gpu():
+    from vime.weight_sync.updater import check_ipc_placement
+
+    check_ipc_placement(["GPU-a"], ["GPU-a", "GPU-a"], engine=0)  # TP=2 engine on the one GPU
+    with pytest.raises(ValueError, match=r"engine 1 worker 1 is on GPU GPU-b.*transport nccl"):
+        check_ipc_placement(["GPU-a"], ["GPU-a", "GPU-b"], engine=1)
+    with pytest.raises(ValueError, match=r"engine 0 worker 0 is on GPU GPU-a.*GPU-b"):
+        check_ipc_placement(["GPU-a", "GPU-b"], ["GPU-a"], engine=0)  # PP=2 senders on 2 GPUs
+    with pytest.raises(ValueError, match=r"engine 2 worker 0 runs on the CPU.*shm"):
+        check_ipc_placement(["GPU-a"], [None], engine=2)
+    with pytest.raises(ValueError, match=r"senders on a GPU"):
+        check_ipc_placement([], ["GPU-a"], engine=0)

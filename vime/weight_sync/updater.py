@@ -59,6 +59,34 @@ logger = logging.getLogger(__name__)
 Served = tuple[str, Shard | None]
 
 
+def check_ipc_placement(
+    sender_gpus: Sequence[str], worker_gpus: Sequence[str | None], engine: int
+) -> None:
+    """ValueError unless every worker of `engine` sits on the GPU of every stage's sender.
+
+    Each stage's one sender exports its staging buffer on its own GPU and keys the handle by that
+    GPU's UUID; vLLM's IPC consumer opens only the handle of its worker's GPU, so a worker
+    elsewhere would fail in the middle of a sync. (Several GPUs need every colocated rank to hold
+    and export each bucket, as vLLM's IPC trainer engine does: not in vime.)
+    """
+    if not sender_gpus:
+        raise ValueError("weight_sync.transport ipc needs the trainer's senders on a GPU")
+    for worker, gpu in enumerate(worker_gpus):
+        if gpu is None:
+            raise ValueError(
+                f"engine {engine} worker {worker} runs on the CPU: weight_sync.transport ipc "
+                "needs engines on the trainer's GPU (use shm on CPU)"
+            )
+        away = sorted({s for s in sender_gpus if s != gpu})
+        if away:
+            raise ValueError(
+                f"engine {engine} worker {worker} is on GPU {gpu}, the sender of a pipeline "
+                f"stage on {away[0]}: vime's ipc transport sends each stage from one GPU and "
+                "reaches only engine workers on that GPU; use transport nccl, or put the "
+                "engines and every stage's sender on one GPU"
+            )
+
+
 def _digest(tensor: torch.Tensor, dtype: str, shard: Shard | None) -> str:
     """The digest a worker serving `shard` of `tensor` in `dtype` must report."""
     part = tensor if shard is None else shard.take(tensor)
@@ -149,9 +177,17 @@ class WeightUpdater:
         """
         problem: str | None = None
         served: list[list[WorkerLayout]] = []
+        kind = self.config.transport.kind
+        sender_gpus: list[str] = []
+        if kind == "ipc":  # every stage sender's GPU, for the placement check
+            mine = None
+            if self.is_sender and torch.cuda.is_available():
+                mine = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+            everyone: list[Any] = [None] * dist.get_world_size(self.sync_group)
+            dist.all_gather_object(everyone, mine, group=self.sync_group)
+            sender_gpus = [gpu for gpu in everyone if gpu is not None]
         if dist.get_rank(self.sync_group) == 0:
             specs = [(m.name, m.dtype, m.shape) for m in self.metadata]
-            kind = self.config.transport.kind
 
             def check(engine: Any) -> list[WorkerLayout]:
                 # What the engine was started with, before any group is built or byte sent.
@@ -162,6 +198,9 @@ class WeightUpdater:
                         f"weight_sync.transport is {kind!r}: start it with "
                         f'--weight-transfer-config \'{{"backend": "{kind}"}}\''
                     )
+                if kind == "ipc":
+                    gpus = engine.collective_rpc("vime_gpu_uuid")
+                    check_ipc_placement(sender_gpus, gpus, self.engines.index(engine))
                 workers = engine.collective_rpc("vime_weight_metadata")
                 if len(workers) != layout["world_size"]:
                     raise ValueError(

@@ -24,7 +24,7 @@ vLLM's own NCCL and IPC engines. On CPU a bucket's load runs on every core the s
 `VimeWorkerExtension` adds methods callable through `POST /collective_rpc`:
 `vime_weight_metadata` (HF names, dtypes and whole shapes the engine expects, and the slice each
 worker holds, to check before sending), `vime_weight_checksums` (sha256 of each worker's part of
-every HF-named tensor, to check after) and
+every HF-named tensor, to check after), `vime_gpu_uuid` (where an IPC handle must be opened) and
 `vime_weight_update_stats` (where the last update's time went on the worker).
 """
 
@@ -62,6 +62,15 @@ class VimeWorkerExtension:
             }
             for served in served_shards(model, materialize=False)
         ]
+
+    def vime_gpu_uuid(self) -> str | None:
+        """This worker's GPU UUID (None on CPU): an IPC handle must be keyed by it."""
+        import torch
+
+        device = torch.device(self.device)  # type: ignore[attr-defined]
+        if device.type != "cuda":
+            return None
+        return str(torch.cuda.get_device_properties(device).uuid)
 
     def vime_weight_update_stats(self) -> dict[str, float]:
         """This worker's `stats` of its last weight update (empty before the first one)."""
