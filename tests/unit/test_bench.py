@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from vime.bench.loop import format_report, step_figures
 from vime.bench.sync_results import DtypeResult, Measurement, format_table, summarize
@@ -156,3 +157,32 @@ def test_bench_sync_sizes_need_two_presets():
     ]
     with pytest.raises(SystemExit):
         parse_args(["--sizes", "qwen2.5-0.5b"])
+
+
+def test_repack_floor_repacks_the_linear_weights_as_the_engine_does(monkeypatch):
+    from vllm import _custom_ops as ops
+
+    from vime.bench.sync_methods import repack_floor
+
+    repacked = []
+    real = ops.create_onednn_mm
+
+    def counting(weight, m_hint):
+        repacked.append(tuple(weight.t().shape))
+        return real(weight, m_hint)
+
+    monkeypatch.setattr(ops, "create_onednn_mm", counting)
+    weights = {
+        "model.embed_tokens.weight": torch.randn(64, 32),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(32, 32),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(32, 48),
+        "model.layers.0.input_layernorm.weight": torch.randn(32),
+    }
+    # Tied head: the embedding is repacked as the output layer; norms never.
+    seconds = repack_floor(weights, threads=2, repeats=2)
+    assert seconds is not None and seconds > 0
+    assert sorted(set(repacked)) == [(32, 32), (32, 48), (64, 32)]
+    assert len(repacked) == 3 * 3  # a warm-up round, then two timed ones
+    repacked.clear()
+    repack_floor({**weights, "lm_head.weight": torch.randn(64, 32)}, threads=1, repeats=1)
+    assert sorted(repacked) == sorted([(32, 32), (32, 48), (64, 32)] * 2)  # head, not embedding
