@@ -28,17 +28,9 @@ TIMEOUT = timedelta(minutes=3)
 
 
 def _batch():
-    from vime.rl.samples import PackedBatch
+    from vime.testing.batches import synthetic_batch
 
-    generator = torch.Generator().manual_seed(0)
-    num = GROUPS * GROUP_SIZE
-    input_ids = torch.randint(0, 500, (num, SEQ), generator=generator)
-    mask = torch.zeros(num, SEQ - 1)
-    for row in range(num):
-        mask[row, 4 : 4 + 3 + row % 5] = 1.0
-    logprobs = -torch.rand(num, SEQ - 1, generator=generator) * 6 * mask
-    rewards = torch.rand(num, generator=generator).round()
-    return PackedBatch(input_ids, mask, logprobs, rewards, GROUP_SIZE)
+    return synthetic_batch(GROUPS, GROUP_SIZE, SEQ)
 
 
 def _worker(kind: str, port: int, model_dir: str, out: str) -> None:

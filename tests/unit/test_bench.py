@@ -159,10 +159,10 @@ def test_bench_sync_sizes_need_two_presets():
         parse_args(["--sizes", "qwen2.5-0.5b"])
 
 
-def test_repack_floor_repacks_the_linear_weights_as_the_engine_does(monkeypatch):
+def test_repack_probe_repacks_the_weights_vllm_repacks(monkeypatch):
     from vllm import _custom_ops as ops
 
-    from vime.bench.sync_methods import repack_floor
+    from vime.bench.repack import linear_weights, repack_rounds
 
     repacked = []
     real = ops.create_onednn_mm
@@ -179,10 +179,11 @@ def test_repack_floor_repacks_the_linear_weights_as_the_engine_does(monkeypatch)
         "model.layers.0.input_layernorm.weight": torch.randn(32),
     }
     # Tied head: the embedding is repacked as the output layer; norms never.
-    seconds = repack_floor(weights, threads=2, repeats=2)
-    assert seconds is not None and seconds > 0
-    assert sorted(set(repacked)) == [(32, 32), (32, 48), (64, 32)]
-    assert len(repacked) == 3 * 3  # a warm-up round, then two timed ones
-    repacked.clear()
-    repack_floor({**weights, "lm_head.weight": torch.randn(64, 32)}, threads=1, repeats=1)
-    assert sorted(repacked) == sorted([(32, 32), (32, 48), (64, 32)] * 2)  # head, not embedding
+    linear = linear_weights(weights)
+    assert sorted(tuple(t.shape) for t in linear) == [(32, 32), (32, 48), (64, 32)]
+    seconds = repack_rounds(linear, threads=2, rounds=2)
+    assert len(seconds) == 2 and all(s > 0 for s in seconds)
+    assert sorted(repacked) == sorted([(32, 32), (32, 48), (64, 32)] * 3)  # warm-up + 2 rounds
+    untied = linear_weights({**weights, "lm_head.weight": torch.randn(64, 32)})
+    assert not any(t is weights["model.embed_tokens.weight"] for t in untied)
+    assert len(untied) == 3  # the head, not the embedding

@@ -38,13 +38,7 @@ import torch
 import torch.distributed as dist
 
 from vime.bench.sizes import fit_sizes, format_sizes, plot_sizes
-from vime.bench.sync_methods import (
-    bench_control,
-    bench_disk,
-    bench_updater,
-    memcpy_floor,
-    repack_floor,
-)
+from vime.bench.sync_methods import bench_control, bench_disk, bench_updater, memcpy_floor
 from vime.bench.sync_results import (
     BENCH_TRANSPORTS,
     DtypeResult,
@@ -87,7 +81,6 @@ def bench_dtype(
     num_bytes = sum(m.dtype.itemsize * math.prod(m.shape) for m in metadata)
     # The machine's floor: every core copying; then the trainer's, on its pinned core(s).
     floor_s = memcpy_floor(num_bytes) if rank == 0 else 0.0
-    repack_s = engine_repack_floors(model_dir) if rank == 0 else {}
     cores = pin_trainer()
     floor_pinned_s = memcpy_floor(num_bytes) if rank == 0 else 0.0
     logger.info(
@@ -134,24 +127,7 @@ def bench_dtype(
         measurements=measurements,
         num_cores=len(all_cores()),
         preset=preset,
-        repack_s=repack_s,
     )
-
-
-def engine_repack_floors(model_dir: Path) -> dict[int, float]:
-    """The engine's kernel repack of the checkpoint's weights alone, on one core and on all of
-    them (threads -> seconds; empty without vLLM's CPU ops)."""
-    from safetensors.torch import load_file
-
-    weights = load_file(model_dir / "model.safetensors")
-    floors = {}
-    for threads in sorted({1, len(all_cores())}):
-        seconds = repack_floor(weights, threads)
-        if seconds is None:
-            return {}
-        floors[threads] = seconds
-    logger.info("engine kernel repack alone: %s", floors)
-    return floors
 
 
 def bench_baselines(

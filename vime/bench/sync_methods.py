@@ -1,16 +1,12 @@
-"""The methods `vime bench-sync` times on the same bytes: the memcpy floor, the engine's kernel
-repack alone, vime's session (shm, gloo), the control plane alone, and the disk baseline.
+"""The methods `vime bench-sync` times on the same bytes: the memcpy floor, vime's session (shm,
+gloo), the control plane alone, and the disk baseline.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import threading
 import time
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,61 +31,6 @@ def memcpy_floor(num_bytes: int, repeats: int = FLOOR_REPEATS) -> float:
         began = time.perf_counter()
         dst.copy_(src)
         best = min(best, time.perf_counter() - began)
-    return best
-
-
-def repack_floor(
-    weights: Mapping[str, torch.Tensor], threads: int, repeats: int = FLOOR_REPEATS
-) -> float | None:
-    """Seconds of the fastest of `repeats` rounds of vLLM's CPU kernel repack of every linear
-    weight in `weights` (HF names), on `threads` threads pinned to a core each with one OpenMP
-    thread, as the engine's parallel load runs it: the part of an engine's load that no copy
-    avoidance removes.
-
-    The weights repacked are the 2-D ones but the input embedding (a lookup), which vLLM also
-    repacks as the output layer when the head is tied (no `lm_head.weight`). Each round's kernels
-    replace the last one's, as in a sync. None where vLLM's oneDNN ops are not there (GPU build).
-    """
-    try:
-        from vllm import _custom_ops as ops
-
-        if not ops._supports_onednn:
-            return None
-    except Exception as exc:  # noqa: BLE001 (any import problem: no CPU vLLM here)
-        logger.info("no repack floor: %s", exc)
-        return None
-    tied = "lm_head.weight" not in weights
-    linear = [
-        t
-        for name, t in weights.items()
-        if t.ndim == 2 and (tied or not name.endswith("embed_tokens.weight"))
-    ]
-    kernels: list[Any] = [None] * len(linear)
-    cores = iter(sorted(os.sched_getaffinity(0)))
-    lock = threading.Lock()
-
-    def one_core_each() -> None:  # as the engine's load threads: pinned, one OpenMP thread
-        with lock:
-            core = next(cores, None)
-        if core is not None:
-            os.sched_setaffinity(0, {core})
-        torch.set_num_threads(1)
-
-    def repack(part: int) -> None:
-        for index in range(part, len(linear), threads):
-            kernels[index] = ops.create_onednn_mm(linear[index].t(), 32)
-
-    torch_threads = torch.get_num_threads()
-    best = float("inf")
-    try:
-        with ThreadPoolExecutor(max_workers=threads, initializer=one_core_each) as pool:
-            for round_ in range(repeats + 1):  # the first round warms the pages up, not timed
-                began = time.perf_counter()
-                list(pool.map(repack, range(threads)))
-                if round_:
-                    best = min(best, time.perf_counter() - began)
-    finally:
-        torch.set_num_threads(torch_threads)
     return best
 
 

@@ -68,8 +68,6 @@ class DtypeResult:
     measurements: list[Measurement]
     num_cores: int = 0  # the machine's cores this run could use (the floor's)
     preset: str = ""  # the model (vime.testing.tiny_model preset)
-    # vLLM's CPU kernel repack of the linear weights alone, threads -> seconds (no vLLM: empty)
-    repack_s: dict[int, float] = field(default_factory=dict)
 
 
 # ---- the report --------------------------------------------------------------------------------
@@ -98,10 +96,6 @@ def format_table(results: list[DtypeResult]) -> str:
         floors = [
             (f"memcpy {result.num_cores} cores", result.floor_s),
             ("memcpy 1 core", result.floor_pinned_s),
-        ]
-        floors += [
-            (f"repack {threads} core{'s' * (threads > 1)}", seconds)
-            for threads, seconds in sorted(result.repack_s.items(), reverse=True)
         ]
         for name, seconds in floors:
             rows.append(
@@ -180,14 +174,6 @@ def summarize(results: list[DtypeResult]) -> list[str]:
                 if baseline in by_method:
                     line += f"; {baseline} takes {by_method[baseline] / total:.1f}x as long"
             lines.append(line)
-        if result.repack_s:
-            threads = max(result.repack_s)
-            repack = result.repack_s[threads]
-            lines.append(
-                f"{label} the engine's kernel repack alone (vLLM's oneDNN layout, no copies): "
-                f"{repack:.3f} s on {threads} cores = {repack / result.floor_s:.1f}x the memcpy "
-                "floor, a bound below every sync into a vLLM CPU engine"
-            )
         control = next((m for m in result.measurements if m.method == "control"), None)
         if control is not None and control.iterations:
             low, high = quartiles([it["total"] for it in control.iterations])
