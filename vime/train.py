@@ -203,10 +203,6 @@ class _Abort:
 abort = _Abort()
 
 
-def _init_distributed(config: TrainConfig) -> tuple[int, int]:
-    return init_process_group(timedelta(seconds=config.weight_sync.barrier_timeout_s))
-
-
 def _launch_engines(config: TrainConfig, run_dir: Path, address: str):
     """Rank 0: engine handles (RayEngine wrappers over named actors), URLs, where each runs."""
     from vime.rollout.ray_engine import launch_engines
@@ -306,7 +302,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
     # stores): they all read VIME_HOST_IP.
     address = node_address(config.cluster.node_address, config.cluster.interface)
     os.environ[HOST_IP_ENV] = address
-    rank, world_size = _init_distributed(config)
+    rank, world_size = init_process_group(timedelta(seconds=config.weight_sync.barrier_timeout_s))
     run_dir = Path(config.run_dir)
     sync_group = dist.new_group(
         backend="gloo", timeout=timedelta(seconds=config.weight_sync.barrier_timeout_s)

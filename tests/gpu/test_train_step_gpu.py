@@ -9,7 +9,6 @@ opens them as vLLM 0.32's packed IPC consumer does, bit for bit.
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -33,20 +32,18 @@ def _batch():
     return synthetic_batch(GROUPS, GROUP_SIZE, SEQ)
 
 
-def _worker(kind: str, port: int, model_dir: str, out: str) -> None:
+def _worker(kind: str, model_dir: str, out: str) -> None:
     if kind == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything asks CUDA
-    os.environ.update(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
     import torch.distributed as dist
 
     from vime.megatron.gather import GatherGroups, gather_hf_weights
     from vime.megatron.model import initialize_model_parallel
     from vime.rl.loss import GRPOConfig
     from vime.trainer import MegatronTrainer, TrainerConfig
-    from vime.utils.dist_env import init_process_group
+    from vime.utils.dist_env import default_to_single_process, init_process_group
 
+    default_to_single_process()  # a world of one on loopback, as torchrun would set it
     init_process_group(TIMEOUT)
     topology = initialize_model_parallel(tp=1, pp=1, timeout=TIMEOUT)
     config = TrainerConfig(lr=LR, micro_batch_size=4, grad_clip=GRAD_CLIP)
@@ -84,16 +81,8 @@ def _worker(kind: str, port: int, model_dir: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run(kind: str, model_dir: Path, out: Path) -> dict:
-    process = mp.get_context("spawn").Process(
-        target=_worker, args=(kind, _free_port(), str(model_dir), str(out))
-    )
+    process = mp.get_context("spawn").Process(target=_worker, args=(kind, str(model_dir), str(out)))
     process.start()
     process.join(timeout=300)
     if process.is_alive():
