@@ -1,6 +1,7 @@
-"""engine.fault_tolerance: the job survives its engine's EngineCore being SIGKILLed, mid-generation
-and mid-sync: the engine is restarted, synced (checksums verified) before it serves again, lost
-requests are resubmitted, every step completes with every sample."""
+"""engine.fault_tolerance: the job survives its engine's EngineCore being SIGKILLed twice, first
+mid-generation, then (restarted engine) mid-sync: each time the engine is restarted, synced
+(checksums verified) before it serves again, lost requests are resubmitted, and every step
+completes with every sample. One job takes both faults (each job costs a minute of start-up)."""
 
 from __future__ import annotations
 
@@ -10,31 +11,42 @@ import signal
 import time
 
 import pytest
-from job_harness import BackgroundJob
+from job_harness import BackgroundJob, wait_for
 
 pytestmark = pytest.mark.faults
 
-NUM_STEPS = 5
+NUM_STEPS = 8
 SAMPLES_PER_STEP = 16  # 4 prompts x 4 samples (job_harness)
 
 
-@pytest.mark.parametrize("phase", ["generation", "sync"])
-def test_job_survives_engine_core_sigkill(tmp_path, tiny_model_dir, phase):
-    overrides = [
+def test_job_survives_engine_core_sigkill_in_generation_then_in_sync(tmp_path, tiny_model_dir):
+    job = BackgroundJob(
+        tmp_path,
+        tiny_model_dir,
         f"num_steps={NUM_STEPS}",
         "engine.fault_tolerance=true",
         "weight_sync.verify_checksums=true",
-    ]
-    if phase == "sync":
-        overrides.append("weight_sync.update_weight_buffer_size=65536")
-    job = BackgroundJob(tmp_path, tiny_model_dir, *overrides)
+        "weight_sync.update_weight_buffer_size=65536",  # many buckets: a long sync to land in
+        "checkpoint.at_end=false",
+    )
     try:
+        # 1. Mid-generation: the async loop generates the next batch while it trains on this one.
         job.wait_running(steps=1)
-        core = job.engine_core_pid()
-        if phase == "sync":
-            job.wait_for_next_sync()
-        killed_at = time.time()
-        os.kill(core, signal.SIGKILL)
+        first_core = job.engine_core_pid()
+        os.kill(first_core, signal.SIGKILL)
+        kills = [time.time()]
+
+        # 2. Mid-sync, in the restarted engine: once it serves and a whole step (its sync
+        # included) has completed after the restart, the next /start_weight_update is a step's
+        # sync, not the recovery's own.
+        wait_for(lambda: job.engine_core_pid() != first_core, 300, "the restarted engine")
+        steps_after_restart = job.steps_done() + 1
+        job.wait_running(steps=steps_after_restart)  # notes the restarted engine's processes
+        assert steps_after_restart < NUM_STEPS, "no step left to kill a sync in"
+        job.wait_for_next_sync()
+        os.kill(job.engine_core_pid(), signal.SIGKILL)
+        kills.append(time.time())
+
         job.process.wait(timeout=600)
         assert job.process.returncode == 0, job.tail()
         rows = [
@@ -46,14 +58,14 @@ def test_job_survives_engine_core_sigkill(tmp_path, tiny_model_dir, phase):
         assert all(row["rollout/num_samples"] == SAMPLES_PER_STEP for row in rows), "samples lost"
         assert all(row["sync/verified"] == 1.0 for row in rows)
         assert [row["sync/weight_version"] for row in rows] == list(range(1, NUM_STEPS + 1))
-        assert rows[-1]["fault/engine_restarts"] >= 1
+        assert rows[-1]["fault/engine_restarts"] >= 2
         summary = json.loads((job.run_dir / "summary.json").read_text())
-        assert summary["engine_restarts"] >= 1
+        assert summary["engine_restarts"] >= 2
         print(
-            f"EngineCore SIGKILL during {phase}: {summary['engine_restarts']} restart(s), "
-            f"serving again {summary['recovery_s']} s after detection, "
+            f"EngineCore SIGKILL in generation, then in a sync: {summary['engine_restarts']} "
+            f"restarts, serving again {summary['recovery_s']} s after detection, "
             f"{rows[-1]['fault/resubmitted_requests']:.0f} requests resubmitted, "
-            f"job done {time.time() - killed_at:.0f} s after the kill"
+            f"job done {time.time() - kills[-1]:.0f} s after the second kill"
         )
         job.wait_all_gone(15)
         assert job.left_segments() == []

@@ -168,6 +168,18 @@ def test_cpu_server_keeps_freed_memory_unless_told_not_to(monkeypatch):
     assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
 
 
+def test_eager_cpu_server_runs_the_samplers_helpers_without_dynamo(monkeypatch):
+    monkeypatch.setattr("vime.rollout.server._has_cuda", lambda: False)
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    _, env = build_server_command(EngineConfig(model_path="/m"), 8123)
+    assert env["TORCHDYNAMO_DISABLE"] == "1"
+    _, env = build_server_command(EngineConfig(model_path="/m", enforce_eager=False), 8123)
+    assert "TORCHDYNAMO_DISABLE" not in env
+    monkeypatch.setattr("vime.rollout.server._has_cuda", lambda: True)  # GPU: vLLM's choice
+    _, env = build_server_command(EngineConfig(model_path="/m"), 8123)
+    assert "TORCHDYNAMO_DISABLE" not in env
+
+
 def test_engine_http_error_survives_pickling():
     """Ray moves exceptions between processes by pickling them."""
     import pickle
