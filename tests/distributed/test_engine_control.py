@@ -57,7 +57,8 @@ def ray_engines(small_model_dir, tmp_path_factory):
 
 
 async def warm_up(urls: list[str]) -> None:
-    """The first batch on a fresh CPU engine is seconds slower than the rest; take it here."""
+    """Take each fresh engine's first batch here, so the streaming checks time a warm engine (it
+    was seconds slower while vLLM compiled its sampler helpers; vime now runs them eagerly)."""
     async with GenerationClient(urls, token=TOKEN) as client:
         prompts = [PROMPT + [i] for i in range(NUM_STREAMING)]
         for engine_index in range(len(urls)):
