@@ -120,7 +120,8 @@ class BackgroundJob:
         return children(self.process.pid)
 
     def wait_running(self, steps: int = 1, timeout_s: float = 400) -> None:
-        """Until `steps` steps are logged; then note every process and segment of the job."""
+        """Until `steps` steps are logged; then note every process and segment of the job (added
+        to those noted before: a restarted engine's processes join its predecessor's)."""
 
         def ready() -> bool:
             if self.process.poll() is not None:
@@ -131,8 +132,8 @@ class BackgroundJob:
         wait_for(ready, timeout_s, "job running", poll_s=0.5)
         keeper, _ = self.keeper()
         pids = {self.process.pid} | descendants(self.process.pid) | set(group_members(keeper))
-        self.pids = {pid: start_time(pid) for pid in pids if start_time(pid) is not None}
-        self.segments = mapped_shm_files(sorted(self.pids))
+        self.pids.update({pid: start_time(pid) for pid in pids if start_time(pid) is not None})
+        self.segments |= mapped_shm_files(sorted(pids))
         assert len(self.pids) >= 6, {pid: cmdline(pid) for pid in self.pids}
 
     def wait_for_next_sync(self, timeout_s: float = 120) -> None:

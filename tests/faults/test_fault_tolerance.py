@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
 import pytest
 from job_harness import BackgroundJob, wait_for
+
+from vime.rollout.keeper import group_members
 
 pytestmark = pytest.mark.faults
 
@@ -41,8 +44,9 @@ def test_job_survives_engine_core_sigkill_in_generation_then_in_sync(tmp_path, t
         # sync, not the recovery's own.
         wait_for(lambda: job.engine_core_pid() != first_core, 300, "the restarted engine")
         steps_after_restart = job.steps_done() + 1
+        # The next sync may begin before wait_for_next_sync counts: leave a step beyond it.
+        assert steps_after_restart <= NUM_STEPS - 2, "no step left to kill a sync in"
         job.wait_running(steps=steps_after_restart)  # notes the restarted engine's processes
-        assert steps_after_restart < NUM_STEPS, "no step left to kill a sync in"
         job.wait_for_next_sync()
         os.kill(job.engine_core_pid(), signal.SIGKILL)
         kills.append(time.time())
@@ -59,6 +63,9 @@ def test_job_survives_engine_core_sigkill_in_generation_then_in_sync(tmp_path, t
         assert all(row["sync/verified"] == 1.0 for row in rows)
         assert [row["sync/weight_version"] for row in rows] == list(range(1, NUM_STEPS + 1))
         assert rows[-1]["fault/engine_restarts"] >= 2
+        # The second kill landed in a sync: that sync failed and was redone after the restart
+        # (a recovery after a failed generation syncs once and says "reconnected and synced").
+        assert re.search(r"engines \[0\] reconnected$", job.tail(1_000_000), re.M), job.tail()
         summary = json.loads((job.run_dir / "summary.json").read_text())
         assert summary["engine_restarts"] >= 2
         print(
@@ -68,6 +75,9 @@ def test_job_survives_engine_core_sigkill_in_generation_then_in_sync(tmp_path, t
             f"job done {time.time() - kills[-1]:.0f} s after the second kill"
         )
         job.wait_all_gone(15)
+        # The third engine, started after the second kill and never noted: its group is gone too.
+        last_keeper, _ = job.keeper()
+        wait_for(lambda: not group_members(last_keeper), 15, "the last engine's processes gone")
         assert job.left_segments() == []
     finally:
         job.stop()

@@ -207,9 +207,11 @@ def build_server_command(
             env.pop(LOAD_CORES_ENV, None)  # "own": not even an inherited value
         if config.enforce_eager:
             # --enforce-eager turns off the model's torch.compile, but vLLM 0.32's sampler still
-            # compiles two helpers with inductor on CPU (logprob ranks, top-k/top-p). The first
-            # batch asking for log-probs paid that: 12 s for 100 requests on a fresh tiny engine
-            # (2 cores), 0.8 s with dynamo off; the helpers then run eagerly (same results).
+            # compiles its log-prob rank helper (batched_count_greater_than) with inductor on
+            # CPU, again as batch sizes change. The first batch asking for log-probs paid that:
+            # 12 s for 100 requests on a fresh tiny engine (2 cores), 0.8 s with dynamo off.
+            # Eager, the few torch.compile'd helpers (that one; TP's masked embedding input; a
+            # MoE swiglu clamp) compute the same values.
             env["TORCHDYNAMO_DISABLE"] = "1"
         if config.cpu_reuse_freed_memory:
             tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
