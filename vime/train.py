@@ -27,39 +27,31 @@ import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 from pydantic import Field, model_validator
 
-from vime.cluster.addresses import HOST_IP_ENV, check_reachable, node_address
+from vime.cluster.addresses import HOST_IP_ENV, node_address
 from vime.cluster.config import ClusterConfig
-from vime.config import (
-    BroadcastTransportConfig,
-    EngineConfig,
-    StrictModel,
-    WeightSyncConfig,
-    load_config,
-)
+from vime.config import EngineConfig, StrictModel, WeightSyncConfig, load_config
 from vime.megatron.checkpoint import (
     CheckpointConfig,
     TrainingState,
     load_checkpoint,
     save_checkpoint,
 )
+from vime.plugin import RolloutEngines, WeightSync
 from vime.rl.evaluate import EvalConfig, eval_metrics
 from vime.rl.loss import GRPOConfig
 from vime.rl.metrics import MetricsWriter, drop_rows_from, prefixed
 from vime.rl.rollout import RolloutConfig
 from vime.rl.sft import SFTConfig, load_demonstrations, sft_batch
-from vime.rollout.auth import new_token
 from vime.rollout.recovery import EngineRecovery
 from vime.rollout.watchdog import EngineWatchdog
 from vime.trainer import TrainerConfig
 from vime.utils.dist_env import init_process_group
 from vime.utils.lifetime import watch_parent
-from vime.utils.net import is_loopback
 from vime.weight_sync.session import WeightSyncError
 
 logger = logging.getLogger("vime.train")
@@ -203,92 +195,10 @@ class _Abort:
 abort = _Abort()
 
 
-def _launch_engines(config: TrainConfig, run_dir: Path, address: str):
-    """Rank 0: engine handles (RayEngine wrappers over named actors), URLs, where each runs."""
-    from vime.rollout.ray_engine import launch_engines
-
-    engines, urls, infos = launch_engines(
-        config.engine,
-        config.cluster,
-        node_address=address,
-        log_dir=str(run_dir / "engines"),
-        call_timeout_s=config.weight_sync.transfer_timeout_s,
-    )
-    (run_dir / "engines.json").write_text(
-        json.dumps([{"url": url, **info} for url, info in zip(urls, infos, strict=True)], indent=2)
-    )
-    return engines, urls, infos
-
-
-def _with_engine_token(config: TrainConfig, token: str | None) -> TrainConfig:
-    """The job's engine token (vime.rollout.auth) in the config every engine client reads."""
-    engine = config.engine.model_copy(update={"auth_token": token})
-    return config.model_copy(update={"engine": engine})
-
-
-def _engine_machines(config: TrainConfig, urls: list[str], infos: list[dict]) -> list[str]:
-    """The machine (hostname) each engine runs on. An external engine's machine is unknown: a
-    loopback URL means this machine, any other URL counts as another one."""
-    hostname = socket.gethostname()
-    if not config.engine.external_urls:
-        return [info.get("hostname", hostname) for info in infos]
-    hosts = [urlsplit(url).hostname or "" for url in urls]
-    return [hostname if is_loopback(host) else host for host in hosts]
-
-
-def _check_reachable(
-    config: TrainConfig, address: str, urls: list[str], engine_machines: list[str]
-) -> None:
-    """Every rank: the engines can reach this node's rendezvous, rank 0 the engines' URLs."""
-    hostname = socket.gethostname()
-    for url, machine in zip(urls, engine_machines, strict=True):
-        url_host = urlsplit(url).hostname or ""
-        check_reachable(url_host, "engine.host", own_host=machine, peer_hosts=[hostname])
-    transport = config.weight_sync.transport
-    if isinstance(transport, BroadcastTransportConfig):
-        if transport.master_address:
-            field = "weight_sync.transport.master_address"
-        else:
-            field = "the node address (cluster.node_address / VIME_HOST_IP / cluster.interface)"
-        check_reachable(
-            transport.master_address or address,
-            field,
-            own_host=hostname,
-            peer_hosts=engine_machines,
-        )
-
-
-def _attach_engines(config: TrainConfig, urls: list[str]) -> list[Any]:
-    """Ranks > 0: control-plane clients of the same servers, reached by URL."""
-    from vime.rollout.vllm_engine import VLLMEngine
-
-    engines = []
-    for rank, url in enumerate(urls):
-        engine = VLLMEngine(config.engine, rank=rank, url=url)
-        engine.init()
-        engines.append(engine)
-    return engines
-
-
 def _broadcast_object(obj: Any, group: Any) -> Any:
     holder = [obj]
     dist.broadcast_object_list(holder, src=0, group=group)
     return holder[0]
-
-
-def _make_updater(config: TrainConfig, *, engines, trainer, topology, sync_group):
-    from vime.megatron.gather import GatherGroups
-    from vime.weight_sync.updater import WeightUpdater
-
-    return WeightUpdater(
-        config=config.weight_sync,
-        engines=engines,
-        model=trainer.model,
-        converter=trainer.converter,
-        topology=topology,
-        gather_groups=GatherGroups.from_parallel_state(),
-        sync_group=sync_group,
-    )
 
 
 def run(config: TrainConfig) -> dict[str, Any]:
@@ -340,30 +250,27 @@ def run(config: TrainConfig) -> dict[str, Any]:
         resumed = load_checkpoint(trainer, resume_path)
         _reapply_optimizer_settings(trainer, config.trainer)
 
-    if rank == 0 and not config.engine.external_urls and config.engine.auth_token is None:
-        config = _with_engine_token(config, new_token())
-    engines, urls, infos = _launch_engines(config, run_dir, address) if rank == 0 else ([], [], [])
-    abort.run_dir, abort.engines = (run_dir, engines) if rank == 0 else (None, [])
+    engines = None
     completed = False
     try:
-        urls, infos, token = _broadcast_object((urls, infos, config.engine.auth_token), sync_group)
-        config = _with_engine_token(config, token)
-        engine_machines = _engine_machines(config, urls, infos)
-        _check_reachable(config, address, urls, engine_machines)
-        num_local_engines = (
-            0 if config.engine.external_urls else engine_machines.count(socket.gethostname())
+        engines = RolloutEngines.start(
+            config.engine,
+            weight_sync=config.weight_sync,
+            cluster=config.cluster,
+            group=sync_group,
+            log_dir=run_dir / "engines",
         )
+        abort.run_dir, abort.engines = (run_dir, engines.handles) if rank == 0 else (None, [])
+        if rank == 0:
+            (run_dir / "engines.json").write_text(json.dumps(engines.describe(), indent=2))
         summary = _run_loop(
             config,
-            rank,
-            run_dir,
-            trainer,
-            topology,
-            sync_group,
-            engines,
-            urls,
-            num_local_engines,
-            resumed,
+            rank=rank,
+            run_dir=run_dir,
+            trainer=trainer,
+            topology=topology,
+            engines=engines,
+            resumed=resumed,
         )
         completed = True
     except Exception as exc:
@@ -374,13 +281,9 @@ def run(config: TrainConfig) -> dict[str, Any]:
             abort(f"{type(exc).__name__}: {exc}")
         raise
     finally:
-        if rank == 0:
-            from vime.cluster.ray_cluster import disconnect
-
+        if engines is not None:
             # Servers run in their own process groups: end them even when the loop failed.
-            for engine in engines:
-                engine.shutdown()
-            disconnect()
+            engines.shutdown()
         if completed:
             dist.barrier(group=sync_group)
         dist.destroy_process_group()
@@ -414,7 +317,14 @@ def _reapply_optimizer_settings(trainer: Any, config: TrainerConfig) -> None:
 
 
 def _run_loop(
-    config, rank, run_dir, trainer, topology, sync_group, engines, urls, num_local_engines, resumed
+    config: TrainConfig,
+    *,
+    rank: int,
+    run_dir: Path,
+    trainer: Any,
+    topology: Any,
+    engines: RolloutEngines,
+    resumed: TrainingState | None,
 ) -> dict:
     """Attach, connect the updater, then generate/train/sync for num_steps; rank 0's summary.
 
@@ -424,25 +334,25 @@ def _run_loop(
     from transformers import AutoTokenizer
 
     from vime.rl.rollout import RolloutThread
-    from vime.rollout.generation import GenerationClient
 
-    cpu_cores = config.trainer.resolve_cpu_cores(num_local_engines)
+    sync_group = engines.group
+    cpu_cores = config.trainer.resolve_cpu_cores(engines.num_local())
     if cpu_cores and not torch.cuda.is_available():
         # After the engines started (they inherit nothing from here any more): train on the
         # cores the engines leave free, so overlapped generation and training do not contend.
         os.sched_setaffinity(0, set(cpu_cores))
         torch.set_num_threads(len(cpu_cores))
         logger.info("trainer pinned to cores %s", cpu_cores)
-    if rank != 0:
-        engines = _attach_engines(config, urls)
-    updater = _make_updater(
-        config, engines=engines, trainer=trainer, topology=topology, sync_group=sync_group
+    updater = WeightSync(
+        trainer.model,
+        hf_path=config.engine.model_path,
+        engines=engines,
+        config=config.weight_sync,
+        topology=topology,
     )
-    updater.connect()
     start_step = 0
     if resumed is not None:
-        updater.weight_version = resumed.weight_version - 1
-        report = updater.update_weights()
+        report = updater.update_weights(version=resumed.weight_version)
         logger.info(
             "engines synced to the resumed weights (version %d) in %.2f s; continuing at step %d",
             updater.weight_version,
@@ -463,20 +373,19 @@ def _run_loop(
     watchdog = None
     recovery = None
     fault_tolerant = config.engine.fault_tolerance
+    urls = engines.urls
     if rank == 0:
-        client = GenerationClient(
-            urls, token=config.engine.auth_token, fault_tolerant=fault_tolerant
-        )
+        client = engines.client(fault_tolerant=fault_tolerant)
         rollouts = RolloutThread(config.rollout, client=client, tokenizer=tokenizer)
         writer = MetricsWriter(run_dir, resume=resumed is not None)
         if fault_tolerant:
             from vime.rollout.ray_engine import startup_bound
 
-            recovery = EngineRecovery(engines, client, startup_bound(config.engine))
+            recovery = EngineRecovery(engines.handles, client, startup_bound(config.engine))
         watchdog = EngineWatchdog(
             urls,
             recovery.on_failure if recovery else (lambda failure: abort(str(failure))),
-            token=config.engine.auth_token,
+            token=engines.token,
             interval_s=config.engine.watchdog_interval_s,
             progress_timeout_s=config.engine.progress_timeout_s,
         ).start()
@@ -674,7 +583,7 @@ class _Recover:
 
     def sync(self):
         """updater.update_weights(); with fault tolerance a sync that fails because an engine
-        failed is retried (same version) once the engine is back."""
+        failed is retried (the same version) once the engine is back."""
         recovered: list[int] = []
         while True:
             try:
@@ -686,7 +595,7 @@ class _Recover:
                 down = _broadcast_object(down, self.group)
                 if not down:
                     raise
-                self.updater.weight_version -= 1  # the failed version, again
+                # The failed version is not taken: the retry sends the same version number.
                 self._recover(down, resync=False)
                 recovered += down
                 continue
@@ -701,11 +610,9 @@ class _Recover:
         if self.recovery is not None:
             self.recovery.wait_restarted(down)
         dist.barrier(group=self.group)
-        self.updater.close()
-        self.updater.connect()
+        self.updater.reconnect()
         if resync:
-            self.updater.weight_version -= 1
-            self.updater.update_weights()
+            self.updater.resync()
             if self.recovery is not None:
                 self.recovery.restored(down)
         logger.warning("engines %s reconnected%s", down, " and synced" if resync else "")

@@ -33,7 +33,7 @@ from pydantic import Field
 from vime.config import StrictModel
 from vime.megatron.converters import get_converter
 from vime.megatron.model import (
-    build_gpt_model,
+    build_gpt_chunks,
     load_hf_checkpoint,
     load_hf_config,
     logprobs_from_logits,
@@ -56,6 +56,14 @@ class TrainerConfig(StrictModel):
     tensor_parallel_size: int = Field(1, ge=1, description="Megatron TP degree.")
     pipeline_parallel_size: int = Field(
         1, ge=1, description="Megatron PP degree (megatron's 1F1B schedule over the stages)."
+    )
+    virtual_pipeline_parallel_size: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Model chunks per pipeline rank (megatron's interleaved 1F1B); needs "
+            "pipeline_parallel_size > 1 and num_layers divisible by PP x VPP. None: one chunk."
+        ),
     )
     params_dtype: str = Field("float32", description="Parameter dtype: float32 or bfloat16.")
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
@@ -99,10 +107,19 @@ class TrainerConfig(StrictModel):
             raise ValueError(
                 f"trainer.params_dtype={self.params_dtype!r}; choose one of {sorted(_DTYPES)}"
             )
+        vp = self.virtual_pipeline_parallel_size
+        if vp is not None and vp > 1 and self.pipeline_parallel_size == 1:
+            raise ValueError(
+                f"trainer.virtual_pipeline_parallel_size={vp} needs "
+                "trainer.pipeline_parallel_size > 1"
+            )
 
 
 class MegatronTrainer:
-    """Owns the model shards and optimizer of this rank."""
+    """Owns the model shards and optimizer of this rank.
+
+    `model` is the list of this rank's model chunks (one per virtual pipeline stage; one without
+    virtual stages), as megatron's schedules and vime's weight sync take it."""
 
     def __init__(
         self,
@@ -129,7 +146,7 @@ class MegatronTrainer:
             self.hf_config,
             padded_vocab_size=pad_vocab_size(self.vocab_size, topology.tp_size),
         )
-        self.model = build_gpt_model(
+        self.model = build_gpt_chunks(
             self.converter, topology, params_dtype=_DTYPES[config.params_dtype]
         )
         load_hf_checkpoint(self.model, model_path, converter=self.converter, topology=topology)
@@ -139,22 +156,28 @@ class MegatronTrainer:
         self.optimizer = self._new_optimizer()
         self.num_steps = 0
 
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """Every parameter of this rank's chunks, chunk by chunk."""
+        return [param for chunk in self.model for param in chunk.parameters()]
+
     def _new_optimizer(self, lr: float | None = None) -> torch.optim.AdamW:
         return torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
+            [p for p in self.parameters() if p.requires_grad],
             lr=self.config.lr if lr is None else lr,
             betas=self.config.betas,
             weight_decay=self.config.weight_decay,
         )
 
-    def _frozen_copy(self, model_path: str) -> torch.nn.Module:
-        model = build_gpt_model(
+    def _frozen_copy(self, model_path: str) -> list[torch.nn.Module]:
+        chunks = build_gpt_chunks(
             self.converter, self.topology, params_dtype=_DTYPES[self.config.params_dtype]
         )
-        load_hf_checkpoint(model, model_path, converter=self.converter, topology=self.topology)
-        for param in model.parameters():
-            param.requires_grad_(False)
-        return model.eval()
+        load_hf_checkpoint(chunks, model_path, converter=self.converter, topology=self.topology)
+        for chunk in chunks:
+            for param in chunk.parameters():
+                param.requires_grad_(False)
+            chunk.eval()
+        return chunks
 
     def _dp_slice(self, num_samples: int, fix: str) -> slice:
         """This DP rank's contiguous share of the samples (advantages are computed before)."""
@@ -176,6 +199,9 @@ class MegatronTrainer:
         device = self.device
         n = mine.stop - mine.start
         count = math.ceil(n / self.config.micro_batch_size)
+        if self.topology.vp_size > 1:
+            # The interleaved schedule needs at least PP micro-batches.
+            count = max(count, self.topology.pp_size)
         size = math.ceil(n / count)
         pad = count * size - n
 
@@ -206,26 +232,33 @@ class MegatronTrainer:
 
     def _schedule(
         self,
-        model: torch.nn.Module,
+        model: list[torch.nn.Module],
         micro_batches: list[_MicroBatch],
         loss_of: Callable[[_MicroBatch, torch.Tensor], tuple],
         *,
         forward_only: bool,
     ) -> list:
         """Megatron's own forward/backward schedule over the micro-batches: no pipelining at
-        PP=1, 1F1B at PP>1 (activations and their gradients sent between stages). `loss_of`
-        runs on the last stage; its outputs' last element is collected and returned there."""
+        PP=1, 1F1B at PP>1 (activations and their gradients sent between stages), interleaved
+        1F1B over the chunks with virtual stages. `loss_of` runs on the last stage (the last
+        chunk of the last rank); its outputs' last element is collected and returned there."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        def forward_step(data_iterator, model):
+        def forward_step(data_iterator, chunk):
             micro = next(data_iterator)
-            output = stage_forward(model, micro.input_ids[:, :-1])
+            output = stage_forward(chunk, micro.input_ids[:, :-1])
             return output, functools.partial(loss_of, micro)
 
         first = micro_batches[0]
+        data_iterator: Any = iter(micro_batches)
+        if len(model) > 1:
+            # Every chunk runs every micro-batch, each from its own iterator; one group of all
+            # micro-batches satisfies the schedule for any count >= PP.
+            data_iterator = [iter(micro_batches) for _ in model]
+            unwrap(model[0]).config.microbatch_group_size_per_vp_stage = len(micro_batches)
         return get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
+            data_iterator=data_iterator,
             model=model,
             num_microbatches=len(micro_batches),
             seq_length=first.input_ids.shape[1] - 1,
@@ -233,12 +266,12 @@ class MegatronTrainer:
             forward_only=forward_only,
         )
 
-    def _logprobs(self, output: torch.Tensor, micro: _MicroBatch, model: torch.nn.Module):
+    def _logprobs(self, output: torch.Tensor, micro: _MicroBatch, model: list[torch.nn.Module]):
         return logprobs_from_logits(
             output,
             micro.input_ids[:, 1:],
             vocab_size=self.vocab_size,
-            tp_group=unwrap(model).output_layer.tp_group,
+            tp_group=unwrap(model[-1]).output_layer.tp_group,  # the last chunk has the head
         )
 
     def _reference_logprobs(self, micro_batches: list[_MicroBatch]) -> list[torch.Tensor]:
@@ -265,7 +298,7 @@ class MegatronTrainer:
         exact, free of the staleness that `logprob_diff` (all tokens) includes.
         """
         started = time.monotonic()
-        self.model.train()
+        self._train_mode()
         advantages = group_advantages(
             batch.rewards,
             batch.group_size,
@@ -316,7 +349,7 @@ class MegatronTrainer:
         """One supervised step: mean next-token cross-entropy over the masked tokens of the
         whole batch (the same on every rank); returns its metrics, the same on every rank."""
         started = time.monotonic()
-        self.model.train()
+        self._train_mode()
         num = input_ids.shape[0]
         batch = PackedBatch(input_ids, loss_mask, torch.zeros_like(loss_mask), torch.zeros(num), 1)
         mine = self._dp_slice(num, "sft.batch_size")
@@ -367,6 +400,10 @@ class MegatronTrainer:
             raise FloatingPointError(f"non-finite gradient norm {what}")
         return metrics
 
+    def _train_mode(self) -> None:
+        for chunk in self.model:
+            chunk.train()
+
     def start_sft(self, lr: float | None = None) -> None:
         """Before a supervised stage: a fresh optimizer at `lr` (None: trainer.lr)."""
         self.optimizer = self._new_optimizer(lr)
@@ -377,10 +414,9 @@ class MegatronTrainer:
         self.optimizer = self._new_optimizer()
         if self.reference is not None:
             with torch.no_grad():
-                for ref, param in zip(
-                    self.reference.parameters(), self.model.parameters(), strict=True
-                ):
-                    ref.copy_(param)
+                for ref_chunk, chunk in zip(self.reference, self.model, strict=True):
+                    for ref, param in zip(ref_chunk.parameters(), chunk.parameters(), strict=True):
+                        ref.copy_(param)
 
     def _share_metrics(self, stats: _StepStats) -> dict[str, float]:
         """The last stage's metrics summed over DP, then sent to every stage (as JSON bytes)."""
@@ -410,12 +446,12 @@ class MegatronTrainer:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return next(self.model[0].parameters()).device
 
     def param_fingerprint(self) -> float:
         """A cheap number that changes whenever this rank's weights change (for run checks)."""
         with torch.no_grad():
-            return float(sum(p.double().abs().sum() for p in self.model.parameters()))
+            return float(sum(p.double().abs().sum() for p in self.parameters()))
 
     def _clip_gradients(self) -> float:
         """Clip by the global norm over the whole model; every rank gets the same factor.
@@ -426,7 +462,7 @@ class MegatronTrainer:
         model-parallel (TP x PP) group then counts every element once.
         """
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        for param in self.model.parameters():
+        for param in self.parameters():
             if param.grad is None or getattr(param, "shared", False):
                 continue
             sharded = getattr(param, "tensor_model_parallel", False)
@@ -442,7 +478,7 @@ class MegatronTrainer:
         total_norm = float(squares.sqrt())
         factor = self.config.grad_clip / (total_norm + 1e-6)
         if factor < 1.0:
-            for param in self.model.parameters():
+            for param in self.parameters():
                 if param.grad is not None:
                     param.grad.mul_(factor)
         return total_norm
@@ -451,19 +487,24 @@ class MegatronTrainer:
         """Sum gradients over data-parallel ranks (the loss already divides by global tokens),
         and a tied embedding's over its two copies (first and last pipeline stage)."""
         timeout = timedelta(seconds=self.config.collective_timeout_s)
-        tied = unwrap(self.model).share_embeddings_and_output_weights
-        if tied and self.topology.pp_size > 1:
+        if self.topology.pp_size > 1:
             from megatron.core import parallel_state
 
-            if self.topology.is_first_stage or self.topology.is_last_stage:
-                weight = unwrap(self.model).shared_embedding_or_output_weight()
+            for chunk in map(unwrap, self.model):
+                # The chunk that embeds (first rank, first chunk) and the one with the output
+                # layer (last rank, last chunk) hold the two copies; middle chunks neither.
+                if not chunk.share_embeddings_and_output_weights:
+                    continue
+                if not (chunk.pre_process or chunk.post_process):
+                    continue
+                weight = chunk.shared_embedding_or_output_weight()
                 if weight.grad is None:
                     weight.grad = torch.zeros_like(weight)
                 group = parallel_state.get_embedding_group()
                 dist.all_reduce(weight.grad, group=group, async_op=True).wait(timeout)
         if self.topology.dp_size == 1:
             return
-        for param in self.model.parameters():
+        for param in self.parameters():
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             work = dist.all_reduce(param.grad, group=self.dp_group, async_op=True)

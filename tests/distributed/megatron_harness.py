@@ -32,6 +32,7 @@ class Case:
     model_dir: str
     dtype: str = "float32"
     forward: bool = False  # also compute logits and log-probs on `Job.input_ids`
+    te_names: bool = False  # gather through the Transformer Engine names view (te_names.py)
 
 
 @dataclass(frozen=True)
@@ -85,9 +86,10 @@ def init_gloo_rank(rank: int, world_size: int, port: int) -> None:
 
 def _worker(rank: int, world_size: int, port: int, job: Job, out_dir: str) -> None:
     import torch.distributed as dist
+    from te_names import TENamedModel
 
     from vime.megatron.converters import get_converter
-    from vime.megatron.gather import GatherGroups, gather_hf_weights, hf_weight_metadata
+    from vime.megatron.gather import GatherGroups, GatherPlan
     from vime.megatron.model import (
         build_gpt_model,
         forward_logits,
@@ -116,19 +118,17 @@ def _worker(rank: int, world_size: int, port: int, job: Job, out_dir: str) -> No
         converter = get_converter(hf_config, padded_vocab_size=padded)
         model = build_gpt_model(converter, topology, params_dtype=getattr(torch, case.dtype))
         load_hf_checkpoint(model, case.model_dir, converter=converter, topology=topology)
+        view = TENamedModel(model) if case.te_names else model
+        plan = GatherPlan(view, converter=converter, topology=topology)
         gathered = [
             (name, tensor.clone())
-            for name, tensor in gather_hf_weights(
-                model,
-                converter=converter,
-                topology=topology,
-                groups=groups,
-                timeout=COLLECTIVE_TIMEOUT,
-            )
+            for name, tensor in plan.gather(groups, timeout=COLLECTIVE_TIMEOUT)
         ]
         case_result = {
             "gathered": gathered,
-            "metadata": hf_weight_metadata(converter, model.config),
+            "stage_metadata": plan.stage_metadata(),
+            "layout": plan.layout,
+            "names": [name for name, _ in view.named_parameters()],
             "padded_vocab_size": padded,
         }
         if case.forward:
@@ -142,7 +142,7 @@ def _worker(rank: int, world_size: int, port: int, job: Job, out_dir: str) -> No
                 case_result["logprobs"] = token_logprobs(
                     model, input_ids, vocab_size=hf_config.vocab_size
                 )
-        result["cases"][(case.model_dir, case.dtype)] = case_result
+        result["cases"][(case.model_dir, case.dtype, case.te_names)] = case_result
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

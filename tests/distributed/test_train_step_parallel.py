@@ -6,8 +6,11 @@ rollout log-probs) for one supervised step (`sft_step`), then two GRPO steps wit
 log-probs, the TP all-reduce of the clipping norm), DP2 (each rank its half of the groups,
 gradients summed over DP, the loss normalised by the whole batch's tokens), PP2 (1F1B over two
 stages of one layer each: activations and their gradients sent between stages, the loss on the
-last), TP2xPP2 (4 ranks), and PP2 on a tied-embedding variant (the embedding's gradient summed
-over its first- and last-stage copies, which must stay equal); against the one-rank reference
+last), TP2xPP2 (4 ranks), PP2 on a tied-embedding variant (the embedding's gradient summed
+over its first- and last-stage copies, which must stay equal), and PP2 x VPP2 on a four-layer
+tied variant (two chunks per rank through megatron's interleaved 1F1B: rank 0 holds layers 0
+and 2, rank 1 layers 1 and 3; the tied copies on rank 0's first and rank 1's last chunk);
+against the one-rank reference
 with micro-batches of the same size; a KL penalty (k3) to the frozen reference (the SFT
 weights, run through the same schedule, forward only) is part of the loss. The loss and
 gradient norm of both steps and the first step's clipped gradients
@@ -42,7 +45,14 @@ def _batch():
 
 
 def _worker(
-    rank: int, world_size: int, port: int, tp: int, pp: int, model_dir: str, out_dir: str
+    rank: int,
+    world_size: int,
+    port: int,
+    tp: int,
+    pp: int,
+    vp: int | None,
+    model_dir: str,
+    out_dir: str,
 ) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -53,12 +63,13 @@ def _worker(
     from vime.trainer import MegatronTrainer, TrainerConfig
 
     init_gloo_rank(rank, world_size, port)
-    topology = initialize_model_parallel(tp=tp, pp=pp, timeout=COLLECTIVE_TIMEOUT)
+    topology = initialize_model_parallel(tp=tp, pp=pp, vp=vp, timeout=COLLECTIVE_TIMEOUT)
     dp_group = parallel_state.get_data_parallel_group() if topology.dp_size > 1 else None
     # grad_clip small enough that clipping acts: the TP-summed norm decides the factor.
     config = TrainerConfig(
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
+        virtual_pipeline_parallel_size=vp,
         lr=LR,
         micro_batch_size=4,
         grad_clip=GRAD_CLIP,
@@ -82,7 +93,7 @@ def _worker(
 
     def gathered_grads() -> dict[str, torch.Tensor]:
         # Gathered like the weights: swap the gradients into the parameters for the gather.
-        params = list(trainer.model.parameters())
+        params = trainer.parameters()
         kept = [p.data for p in params]
         for param in params:
             param.data = param.grad if param.grad is not None else torch.zeros_like(param)
@@ -110,19 +121,22 @@ def _worker(
         "grads": grads,
         "topology": topology,
     }
-    gpt = unwrap(trainer.model)
-    if gpt.share_embeddings_and_output_weights and (gpt.pre_process or gpt.post_process):
-        # The tied embedding on the first stage, its copy (the output layer) on the last.
-        result["tied"] = gpt.shared_embedding_or_output_weight().detach().clone()
+    result["num_chunks"] = len(trainer.model)
+    for gpt in map(unwrap, trainer.model):
+        if gpt.share_embeddings_and_output_weights and (gpt.pre_process or gpt.post_process):
+            # The tied embedding on the first stage, its copy (the output layer) on the last.
+            result["tied"] = gpt.shared_embedding_or_output_weight().detach().clone()
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _train(world_size: int, tp: int, pp: int, model_dir: Path, out_dir: Path) -> list[dict]:
+def _train(
+    world_size: int, tp: int, pp: int, model_dir: Path, out_dir: Path, vp: int | None = None
+) -> list[dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    what = f"tp{tp} pp{pp} world {world_size}"
-    args = (tp, pp, str(model_dir), str(out_dir))
+    what = f"tp{tp} pp{pp} vp{vp} world {world_size}"
+    args = (tp, pp, vp, str(model_dir), str(out_dir))
     spawn_ranks(_worker, world_size, args, timeout_s=300, what=what)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
@@ -130,6 +144,13 @@ def _train(world_size: int, tp: int, pp: int, model_dir: Path, out_dir: Path) ->
 @pytest.fixture(scope="module")
 def tied_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return build_tied_variant(tiny_model_dir, tmp_path_factory.mktemp("tied"))
+
+
+@pytest.fixture(scope="module")
+def tied_4layer_dir(model_builder, tmp_path_factory) -> Path:
+    return build_tied_variant(
+        model_builder("qwen2-tiny-4layer"), tmp_path_factory.mktemp("tied-4layer")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -157,21 +178,35 @@ def _merged(ranks: list[dict], key: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("layout", "world_size", "tp", "pp", "tied"),
+    ("layout", "world_size", "tp", "pp", "vp", "tied"),
     [
-        ("tp2", 2, 2, 1, False),
-        ("dp2", 2, 1, 1, False),
-        ("pp2", 2, 1, 2, False),
-        ("tp2pp2", 4, 2, 2, False),
-        ("pp2-tied", 2, 1, 2, True),
+        ("tp2", 2, 2, 1, None, False),
+        ("dp2", 2, 1, 1, None, False),
+        ("pp2", 2, 1, 2, None, False),
+        ("tp2pp2", 4, 2, 2, None, False),
+        ("pp2-tied", 2, 1, 2, None, True),
+        ("pp2vpp2-tied", 2, 1, 2, 2, True),
     ],
 )
 def test_parallel_layouts_train_like_one_rank(
-    references, tiny_model_dir, tied_model_dir, tmp_path, layout, world_size, tp, pp, tied
+    references,
+    tiny_model_dir,
+    tied_model_dir,
+    tied_4layer_dir,
+    tmp_path,
+    layout,
+    world_size,
+    tp,
+    pp,
+    vp,
+    tied,
 ):
     model_dir = tied_model_dir if tied else tiny_model_dir
+    if vp:
+        model_dir = tied_4layer_dir
     reference = references(model_dir)
-    ranks = _train(world_size, tp, pp, model_dir, tmp_path / layout)
+    ranks = _train(world_size, tp, pp, model_dir, tmp_path / layout, vp=vp)
+    assert all(r["num_chunks"] == (vp or 1) for r in ranks)
     for result in ranks:
         for key in ("loss", "grad_norm", "confident_fraction"):
             assert result["sft"][key] == pytest.approx(reference["sft"][key], rel=1e-4), key

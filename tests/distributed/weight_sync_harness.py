@@ -223,7 +223,6 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
             updater.connect()
             updaters[key] = updater
         updater = updaters[key]
-        updater.weight_version = step.version - 1
         if step.fail_in_send and updater.is_sender and topology.pp_rank == topology.pp_size - 1:
             _break_after_first_bucket(updater)
         inflight = None
@@ -231,7 +230,7 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
             inflight = InflightRequest(step.engine_urls[0])
             inflight.wait_started()
         try:
-            record["report"] = updater.update_weights()
+            record["report"] = updater.update_weights(version=step.version)
         except Exception as exc:
             if not step.fail_in_send:
                 raise

@@ -3,7 +3,7 @@
 - every registered architecture: HF -> Megatron -> HF is bit-identical on a real tiny checkpoint;
 - QKV grouping and GLU [gate; up] checked against hand-made tensors, also under TP sharding;
 - unknown architectures and unmapped names fail with the registered names in the message;
-- the HF weight metadata every rank computes equals the checkpoint, split by pipeline stage;
+- the full shapes the converter expects, mapped to HF on meta tensors, equal the checkpoint's;
 - `Topology` validation and Megatron's default rank order.
 
     pytest -m unit tests/unit/test_converters.py
@@ -20,8 +20,7 @@ from transformers import AutoConfig
 
 from vime.megatron.converters import CONVERTERS, get_converter
 from vime.megatron.converters.layouts import merge_glu, merge_qkv, split_glu, split_qkv
-from vime.megatron.gather import hf_weight_metadata, stage_layer_ranges
-from vime.megatron.model import pad_vocab_size, transformer_config
+from vime.megatron.model import pad_vocab_size
 from vime.megatron.sharding import shard, unshard
 from vime.megatron.topology import Topology
 
@@ -32,6 +31,8 @@ PRESET_OF = {
     "Qwen3ForCausalLM": "qwen3-tiny",
     "LlamaForCausalLM": "llama-tiny",
     "Qwen3MoeForCausalLM": "qwen3-moe-tiny",
+    "Qwen2MoeForCausalLM": "qwen2-moe-tiny",
+    "MistralForCausalLM": "mistral-tiny",
 }
 
 
@@ -148,8 +149,8 @@ def test_tied_embeddings_have_no_lm_head(checkpoints):
 
 def test_unknown_architecture_lists_registered_ones(checkpoints):
     config = copy.deepcopy(checkpoints["LlamaForCausalLM", "float32"][0])
-    config.architectures = ["MistralForCausalLM"]
-    with pytest.raises(ValueError, match="MistralForCausalLM") as error:
+    config.architectures = ["GemmaForCausalLM"]
+    with pytest.raises(ValueError, match="GemmaForCausalLM") as error:
         get_converter(config)
     for architecture in CONVERTERS:
         assert architecture in str(error.value)
@@ -170,25 +171,52 @@ def test_unmapped_megatron_name_and_unsupported_config(checkpoints):
 
 
 @pytest.mark.parametrize("architecture", sorted(PRESET_OF))
-def test_weight_metadata_matches_checkpoint_per_stage(checkpoints, architecture):
+def test_full_shapes_map_to_the_checkpoint(checkpoints, architecture):
+    """What the gather plan checks every tensor against: the converter's full shapes, mapped to
+    HF on meta tensors, are the checkpoint's names and shapes, each once (per-stage splits of
+    real models are checked in the distributed tier)."""
     config, hf_state = checkpoints[architecture, "bfloat16"]
     converter = get_converter(config, padded_vocab_size=pad_vocab_size(config.vocab_size, 2))
-    topology = Topology.for_rank(0, 4, tp=2, pp=2)
-    mconfig = transformer_config(converter, topology, params_dtype=torch.bfloat16)
-    assert stage_layer_ranges(mconfig) == [range(1), range(1, 2)]
-
-    metadata = hf_weight_metadata(converter, mconfig)
-    names = [m.name for m in metadata]
+    mapped: list[tuple[str, tuple[int, ...]]] = []
+    for name, shape in converter.megatron_shapes():
+        assert converter.full_shape(name) == shape
+        meta = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+        mapped += [(hf_name, tuple(t.shape)) for hf_name, t in converter.to_hf(name, meta)]
+    names = [name for name, _ in mapped]
     assert len(names) == len(set(names)), "a tensor is listed twice"
-    assert {m.name: (m.dtype, m.shape) for m in metadata} == {
-        name: (t.dtype, tuple(t.shape)) for name, t in hf_state.items()
-    }
-    stage_of = {m.name: m.pp_stage for m in metadata}
-    assert stage_of["model.embed_tokens.weight"] == 0
-    assert stage_of["model.layers.0.input_layernorm.weight"] == 0
-    assert stage_of["model.layers.1.input_layernorm.weight"] == 1
-    assert stage_of["model.norm.weight"] == stage_of["lm_head.weight"] == 1
-    assert [m.pp_stage for m in metadata] == sorted(m.pp_stage for m in metadata)
+    assert dict(mapped) == {name: tuple(t.shape) for name, t in hf_state.items()}
+
+
+def test_shared_expert_names_and_layouts(checkpoints):
+    """Qwen2-MoE's shared expert ([gate; up] like a dense MLP) and its sigmoid gate."""
+    config, hf_state = checkpoints["Qwen2MoeForCausalLM", "float32"]
+    converter = get_converter(config)
+    fc1 = converter.to_megatron("decoder.layers.1.mlp.shared_experts.linear_fc1.weight", hf_state)
+    gate = hf_state["model.layers.1.mlp.shared_expert.gate_proj.weight"]
+    up = hf_state["model.layers.1.mlp.shared_expert.up_proj.weight"]
+    assert torch.equal(fc1, torch.cat([gate, up]))
+    pairs = converter.to_hf(
+        "decoder.layers.0.mlp.shared_experts.gate_weight",
+        hf_state["model.layers.0.mlp.shared_expert_gate.weight"],
+    )
+    assert [name for name, _ in pairs] == ["model.layers.0.mlp.shared_expert_gate.weight"]
+    assert converter.full_shape("decoder.layers.0.mlp.shared_experts.linear_fc2.weight") == (
+        config.hidden_size,
+        config.shared_expert_intermediate_size,
+    )
+    # Qwen3-MoE has no shared expert: the same name is unmapped there.
+    qwen3_moe = get_converter(checkpoints["Qwen3MoeForCausalLM", "float32"][0])
+    assert not qwen3_moe.maps("decoder.layers.0.mlp.shared_experts.gate_weight")
+
+
+def test_mistral_sliding_window_is_refused_unless_it_covers_every_position(checkpoints):
+    config = copy.deepcopy(checkpoints["MistralForCausalLM", "float32"][0])
+    get_converter(config)  # sliding_window None
+    config.sliding_window = 64
+    with pytest.raises(ValueError, match="sliding_window=64"):
+        get_converter(config)
+    config.sliding_window = config.max_position_embeddings
+    get_converter(config)
 
 
 def test_topology_default_rank_order():

@@ -65,8 +65,7 @@ logger = logging.getLogger("vime.bench")
 def bench_dtype(
     args: argparse.Namespace, preset: str, dtype: str, topology: Any, sync_group: Any
 ) -> Any:
-    from vime.megatron.gather import hf_weight_metadata
-    from vime.megatron.model import unwrap
+    from vime.megatron.gather import GatherPlan
 
     rank = dist.get_rank()
     model_dir = Path(args.model_root) / f"bench-{preset}-{dtype}"
@@ -77,7 +76,8 @@ def bench_dtype(
     dist.barrier()
     unpin()
     trainer = build_trainer(model_dir, dtype, topology, sync_group)
-    metadata = hf_weight_metadata(trainer.converter, unwrap(trainer.model).config)
+    plan = GatherPlan(trainer.model, converter=trainer.converter, topology=trainer.topology)
+    metadata = plan.stage_metadata()  # the benchmark's trainer is one stage
     num_bytes = sum(m.dtype.itemsize * math.prod(m.shape) for m in metadata)
     # The machine's floor: every core copying; then the trainer's, on its pinned core(s).
     floor_s = memcpy_floor(num_bytes) if rank == 0 else 0.0

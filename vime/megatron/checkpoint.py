@@ -101,11 +101,11 @@ def _sharded_state(
         optim_state_to_sharding_state,
     )
 
-    model_state = trainer.model.sharded_state_dict()
+    model_state = _chunks_state(trainer.model)
     state: dict[str, Any] = {"model": model_state}
     if trainer.reference is not None and with_reference:
         # The KL reference is not always the initial checkpoint (after SFT it is the SFT model).
-        state["reference"] = trainer.reference.sharded_state_dict(prefix=_REFERENCE)
+        state["reference"] = _chunks_state(trainer.reference, prefix=_REFERENCE)
     if not with_optimizer:
         return state
     optimizer = trainer.optimizer
@@ -118,6 +118,23 @@ def _sharded_state(
     )
     state["optimizer"] = optim_state
     return state
+
+
+def _chunks_state(chunks: list[Any], prefix: str = "") -> dict[str, Any]:
+    """The chunks' sharded state dicts, as megatron names them: one chunk's as it is, several
+    under model0, model1, ... (each chunk's keys already hold global layer numbers)."""
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict(prefix=prefix)
+    return {f"model{i}": chunk.sharded_state_dict(prefix=prefix) for i, chunk in enumerate(chunks)}
+
+
+def _load_chunks(chunks: list[Any], state: dict[str, Any], prefix: str = "") -> None:
+    if len(chunks) == 1:
+        states = [state]
+    else:
+        states = [state[f"model{i}"] for i in range(len(chunks))]
+    for chunk, chunk_state in zip(chunks, states, strict=True):
+        chunk.load_state_dict({k.removeprefix(prefix): v for k, v in chunk_state.items()})
 
 
 def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -189,10 +206,9 @@ def load_checkpoint(trainer: Any, path: str | Path, with_optimizer: bool = True)
         )
     template = _sharded_state(trainer, with_optimizer, with_reference)
     loaded = dist_checkpointing.load(template, str(path))
-    trainer.model.load_state_dict(loaded["model"])
+    _load_chunks(trainer.model, loaded["model"])
     if trainer.reference is not None and with_reference:
-        reference = {k.removeprefix(_REFERENCE): v for k, v in loaded["reference"].items()}
-        trainer.reference.load_state_dict(reference)
+        _load_chunks(trainer.reference, loaded["reference"], prefix=_REFERENCE)
     state = TrainingState(**loaded["training_state"])
     if not with_optimizer:
         return state

@@ -58,8 +58,15 @@ def _with_tensor_cuda_as_identity(method):
     return wrapper
 
 
+def _on_cpu(kwargs: dict) -> dict:
+    if str(kwargs.get("device", "")).startswith("cuda"):
+        kwargs["device"] = "cpu"
+    return kwargs
+
+
 class _TorchWithCpuDefaultDevice(types.ModuleType):
-    """`torch` as seen by one megatron module, with `zeros(..., device="cuda")` built on the CPU."""
+    """`torch` as seen by one megatron module, with `zeros(..., device="cuda")` and
+    `tensor(..., device="cuda")` built on the CPU."""
 
     def __init__(self) -> None:
         super().__init__("torch")
@@ -69,9 +76,43 @@ class _TorchWithCpuDefaultDevice(types.ModuleType):
 
     @staticmethod
     def zeros(*args, **kwargs):
-        if str(kwargs.get("device", "")).startswith("cuda"):
-            kwargs["device"] = "cpu"
-        return torch.zeros(*args, **kwargs)
+        return torch.zeros(*args, **_on_cpu(kwargs))
+
+    @staticmethod
+    def tensor(*args, **kwargs):
+        return torch.tensor(*args, **_on_cpu(kwargs))
+
+
+_TENSOR_TYPE = torch.Tensor.type
+
+
+def _cuda_type_name(self, *args, **kwargs):
+    """`Tensor.type()` as megatron's optimizer expects it of a CUDA tensor."""
+    name = _TENSOR_TYPE(self, *args, **kwargs)
+    if args or kwargs or ".cuda." in name:
+        return name
+    return name.replace("torch.", "torch.cuda.", 1)
+
+
+def _with_cuda_type_names(method):
+    """Run `method` with `Tensor.type()` naming CPU tensors as CUDA ones (scoped to the call)."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        torch.Tensor.type = _cuda_type_name
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.Tensor.type = _TENSOR_TYPE
+
+    return wrapper
+
+
+def _l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """megatron's no-apex multi-tensor L2 norm, on the tensors' device (it builds it on cuda)."""
+    del chunk_size, noop_flag, per_tensor, args
+    norms = [torch.linalg.vector_norm(t.float()) for tensors in tensor_lists for t in tensors]
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
 
 
 def apply_cpu_shims() -> None:
@@ -95,6 +136,12 @@ def apply_cpu_shims() -> None:
     - `LanguageModule.setup_embeddings_and_output_layer` runs with `Tensor.cuda()` as identity:
       with tied embeddings and PP>1 it moves the last stage's embedding copy to CUDA before the
       initial all-reduce over the embedding group.
+    - megatron's optimizer (`get_megatron_optimizer`, falling back to torch's AdamW without TE or
+      apex): `optimizer.py` and `clip_grads.py` see the same CPU-device `torch` (the bf16 scale
+      `_scale_one`, the grad-norm and zero counters are built with device="cuda"); the no-apex L2
+      norm `clip_grads.l2_norm_impl` computes on the tensors' device; and the distributed
+      optimizer's constructor and `clip_grad_by_total_norm_fp32` see CPU tensors named as CUDA
+      ones by `Tensor.type()` (they accept only `torch.cuda.*Tensor` type names).
     Not a shim, but required on CPU: megatron builds its default causal mask on "cuda"
     (`transformer/utils.get_default_causal_mask`), so callers pass an explicit attention mask
     (see `vime.megatron.model.causal_attention_mask`).
@@ -119,5 +166,20 @@ def apply_cpu_shims() -> None:
     moe_utils.torch = torch_view
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    _apply_optimizer_shims(torch_view)
     _APPLIED = True
     logger.info("applied megatron-core CPU shims")
+
+
+def _apply_optimizer_shims(torch_view: types.ModuleType) -> None:
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as optimizer_module
+
+    optimizer_module.torch = torch_view
+    clip_grads.torch = torch_view
+    clip_grads.l2_norm_impl = _l2_norm
+    optimizer_cls = distrib_optimizer.DistributedOptimizer
+    optimizer_cls.__init__ = _with_cuda_type_names(optimizer_cls.__init__)
+    optimizer_module.clip_grad_by_total_norm_fp32 = _with_cuda_type_names(
+        clip_grads.clip_grad_by_total_norm_fp32
+    )

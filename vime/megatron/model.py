@@ -9,6 +9,7 @@ from the HF config (local layer spec, no Transformer Engine) and filled from the
     converter = get_converter(hf_config, padded_vocab_size=pad_vocab_size(hf_config.vocab_size, 2))
     model = build_gpt_model(converter, topology, params_dtype=torch.bfloat16)
     load_hf_checkpoint(model, model_dir, converter=converter, topology=topology)
+    chunks = build_gpt_chunks(converter, topology)       # one per virtual pipeline stage
     logprobs = token_logprobs(model, input_ids, vocab_size=hf_config.vocab_size)
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from torch.nn import functional
 
 from vime.megatron.converters import DecoderConverter
 from vime.megatron.cpu_shims import apply_cpu_shims
+from vime.megatron.param_names import sync_tensors, unwrap
 from vime.megatron.sharding import shard
 from vime.megatron.topology import Topology
 
@@ -56,11 +59,13 @@ def initialize_model_parallel(
     pp: int = 1,
     ep: int = 1,
     expert_tp: int | None = None,
+    vp: int | None = None,
     timeout: timedelta = timedelta(minutes=5),
 ) -> Topology:
     """Set up megatron's parallel_state on an initialised torch.distributed; return the Topology.
 
     Every group megatron creates gets `timeout`, so a stuck collective fails instead of hanging.
+    `vp`: virtual pipeline stages per pipeline rank (interleaved 1F1B; needs pp > 1).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -70,11 +75,12 @@ def initialize_model_parallel(
     apply_cpu_shims()
     # Validate the sizes (the error lists every degree) before megatron asserts on them.
     Topology.for_rank(
-        dist.get_rank(), dist.get_world_size(), tp=tp, pp=pp, ep=ep, expert_tp=expert_tp
+        dist.get_rank(), dist.get_world_size(), tp=tp, pp=pp, ep=ep, expert_tp=expert_tp, vp=vp
     )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=expert_tp,
         distributed_timeout_minutes=max(1, round(timeout.total_seconds() / 60)),
@@ -111,6 +117,7 @@ def transformer_config(
         "attention_dropout": 0.0,
         "tensor_model_parallel_size": topology.tp_size,
         "pipeline_model_parallel_size": topology.pp_size,
+        "virtual_pipeline_model_parallel_size": topology.vp_size if topology.vp_size > 1 else None,
         "context_parallel_size": topology.cp_size,
         "expert_model_parallel_size": topology.ep_size,
         "expert_tensor_parallel_size": topology.expert_tp_size,
@@ -136,6 +143,12 @@ def transformer_config(
         # their coefficients are 0 below.)
         "calculate_per_token_loss": True,
     }
+    if topology.vp_size > 1:
+        # Megatron-LM's default with interleaving. Batched p2p must be off at PP=2 on gloo: the
+        # previous and next stage are the same peer, gloo matches messages per peer in posting
+        # order, and a batch posts send_prev before recv_prev, so an activation arrives as a
+        # gradient (no error, wrong gradients; measured). Unbatched ops order by rank parity.
+        fields.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     if converter.moe:
         fields.update(
             num_moe_experts=d.num_experts,
@@ -148,22 +161,28 @@ def transformer_config(
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=False,
+            moe_shared_expert_intermediate_size=d.shared_expert_ffn_hidden_size or None,
+            moe_shared_expert_gate=converter.shared_expert_gate,
         )
     fields.update(overrides)
     return TransformerConfig(**fields)
 
 
-def build_gpt_model(
+def build_gpt_chunks(
     converter: DecoderConverter,
     topology: Topology,
     *,
     params_dtype: torch.dtype = torch.float32,
     **config_overrides: Any,
-):
-    """This rank's GPTModel (its pipeline stage, its TP/EP shards), randomly initialised.
+) -> list[torch.nn.Module]:
+    """This rank's model chunks: one GPTModel per virtual pipeline stage (one without VPP), each
+    holding its layers and TP/EP shards, randomly initialised.
 
-    Built on the CPU, then moved to the current CUDA device when there is one.
+    Built on the CPU, then moved to the current CUDA device when there is one. Chunk k of pipeline
+    rank p holds megatron's layers for (vp_stage k, pp_rank p); only the first stage's first chunk
+    embeds and only the last stage's last chunk has the output layer.
     """
+    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -180,32 +199,52 @@ def build_gpt_model(
         qk_layernorm=converter.qk_layernorm,
         normalization="RMSNorm",
     )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec,
-        vocab_size=d.padded_vocab_size,
-        max_sequence_length=d.max_position_embeddings,
-        pre_process=topology.is_first_stage,
-        post_process=topology.is_last_stage,
-        parallel_output=True,
-        share_embeddings_and_output_weights=d.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_percent=1.0,
-        rotary_base=d.rope_theta,
-    )
-    # Megatron builds norms in float32 whatever params_dtype is; its Float16Module casts the
-    # whole module, and so do we, so every parameter has the checkpoint's dtype.
-    model = model.to(dtype=params_dtype)
-    if torch.cuda.is_available():
-        model = model.cuda(torch.cuda.current_device())
+    chunks = []
+    for vp_stage in range(topology.vp_size) if topology.vp_size > 1 else [None]:
+        if vp_stage is None:
+            pre, post = topology.is_first_stage, topology.is_last_stage
+        else:
+            pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+            post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=d.padded_vocab_size,
+            max_sequence_length=d.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=d.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_percent=1.0,
+            rotary_base=d.rope_theta,
+            vp_stage=vp_stage,
+        )
+        # Megatron builds norms in float32 whatever params_dtype is; its Float16Module casts the
+        # whole module, and so do we, so every parameter has the checkpoint's dtype.
+        model = model.to(dtype=params_dtype)
+        if torch.cuda.is_available():
+            model = model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks
+
+
+def build_gpt_model(
+    converter: DecoderConverter,
+    topology: Topology,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    **config_overrides: Any,
+):
+    """This rank's GPTModel (its pipeline stage, its TP/EP shards), randomly initialised; for
+    virtual pipeline stages use `build_gpt_chunks`."""
+    if topology.vp_size > 1:
+        raise ValueError(
+            f"virtual pipeline stages ({topology.vp_size}) need one model per stage: "
+            "call build_gpt_chunks"
+        )
+    (model,) = build_gpt_chunks(converter, topology, params_dtype=params_dtype, **config_overrides)
     return model
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    from megatron.core.utils import unwrap_model
-
-    return unwrap_model(model)
 
 
 def full_param_names(model: torch.nn.Module, topology: Topology) -> dict[str, str]:
@@ -227,11 +266,6 @@ def full_param_names(model: torch.nn.Module, topology: Topology) -> dict[str, st
             full_name = f"decoder.layers.{layer.layer_number - 1}.{suffix}"
         names[local_name] = full_name
     return names
-
-
-def is_expert_param(full_name: str) -> bool:
-    """Expert parameters are sharded over expert-tp and ep instead of tp."""
-    return ".mlp.experts." in full_name
 
 
 class _SafetensorsReader:
@@ -264,7 +298,7 @@ class _SafetensorsReader:
 
 @torch.no_grad()
 def load_hf_checkpoint(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Sequence[torch.nn.Module],
     hf_dir: str | Path,
     *,
     converter: DecoderConverter,
@@ -272,34 +306,32 @@ def load_hf_checkpoint(
 ) -> None:
     """Copy this rank's shards of an HF safetensors checkpoint into `model` (HF -> Megatron).
 
-    Reads only the HF tensors this rank's parameters are built from. A checkpoint dtype that
-    differs from the parameter dtype is cast (then the copy is no longer bit-identical).
+    `model`: a chunk or the list of chunks, wrapped or not. Reads only the HF tensors this rank's
+    tensors are built from; a tied embedding's last-stage copy is filled from the embedding. A
+    checkpoint dtype that differs from the parameter dtype is cast (then the copy is no longer
+    bit-identical).
     """
-    model = unwrap(model)
     read = _SafetensorsReader(Path(hf_dir))
-    names = full_param_names(model, topology)
-    for local_name, param in model.named_parameters():
-        full_name = names[local_name]
+    tensors, _ = sync_tensors(model, converter=converter, topology=topology, with_tied_copy=True)
+    for item in tensors:
+        full_name = item.full_names[topology.ep_rank if item.is_expert else 0]
         full = converter.to_megatron(full_name, read)
-        if getattr(param, "tensor_model_parallel", False):
-            if is_expert_param(full_name):
-                rank, size = topology.expert_tp_rank, topology.expert_tp_size
-            else:
-                rank, size = topology.tp_rank, topology.tp_size
+        if item.axis is not None:
+            rank, size = (
+                (topology.expert_tp_rank, topology.expert_tp_size)
+                if item.axis == "expert_tp"
+                else (topology.tp_rank, topology.tp_size)
+            )
             full = shard(
-                full,
-                partition_dim=param.partition_dim,
-                rank=rank,
-                num_shards=size,
-                glu=converter.is_glu(full_name),
+                full, partition_dim=item.partition_dim, rank=rank, num_shards=size, glu=item.glu
             )
-        if full.shape != param.shape:
+        if full.shape != item.tensor.shape:
             raise ValueError(
-                f"{local_name} ({full_name}): checkpoint shard {tuple(full.shape)} != "
-                f"parameter {tuple(param.shape)} ({topology.describe()})"
+                f"{item.local_name} ({full_name}): checkpoint shard {tuple(full.shape)} != "
+                f"parameter {tuple(item.tensor.shape)} ({topology.describe()})"
             )
-        param.copy_(full)
-    logger.info("loaded %d parameters from %s (%s)", len(names), hf_dir, topology.describe())
+        item.tensor.copy_(full)
+    logger.info("loaded %d tensors from %s (%s)", len(tensors), hf_dir, topology.describe())
 
 
 def causal_attention_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:

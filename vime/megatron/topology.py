@@ -34,6 +34,9 @@ class Topology:
     expert_tp_size: int = 1
     expert_dp_rank: int = 0
     expert_dp_size: int = 1
+    # Virtual pipeline stages per pipeline rank (interleaved 1F1B): the rank holds vp_size model
+    # chunks; its stage still sends as one (all its chunks' layers).
+    vp_size: int = 1
 
     def __post_init__(self) -> None:
         problems = []
@@ -53,6 +56,8 @@ class Topology:
                 "the pp sender (tp=cp=dp rank 0) must have expert_tp, ep and expert_dp rank 0, "
                 f"got {sender_expert_ranks}; use Megatron's default rank order"
             )
+        if self.vp_size < 1 or (self.vp_size > 1 and self.pp_size == 1):
+            problems.append(f"vp_size={self.vp_size} needs pp_size > 1 (got {self.pp_size})")
         if problems:
             raise ValueError(f"invalid topology ({self.describe()}): " + "; ".join(problems))
 
@@ -64,6 +69,7 @@ class Topology:
             f"cp {self.cp_rank}/{self.cp_size}, ep {self.ep_rank}/{self.ep_size}, "
             f"expert_tp {self.expert_tp_rank}/{self.expert_tp_size}, "
             f"expert_dp {self.expert_dp_rank}/{self.expert_dp_size}"
+            + (f", vp {self.vp_size}" if self.vp_size > 1 else "")
         )
 
     @property
@@ -90,6 +96,7 @@ class Topology:
         cp: int = 1,
         ep: int = 1,
         expert_tp: int | None = None,
+        vp: int | None = None,
     ) -> Topology:
         """The topology Megatron's default rank order "tp-cp-ep-dp-pp" (tp fastest) gives a rank."""
         expert_tp = tp if expert_tp is None else expert_tp
@@ -130,6 +137,7 @@ class Topology:
             expert_tp_size=expert_tp,
             expert_dp_rank=expert_dp_rank,
             expert_dp_size=expert_dp,
+            vp_size=vp or 1,
         )
 
     @classmethod
@@ -140,8 +148,6 @@ class Topology:
 
         if not ps.model_parallel_is_initialized():
             raise ValueError("megatron parallel_state is not initialised")
-        if ps.get_virtual_pipeline_model_parallel_world_size() not in (None, 1):
-            raise ValueError("virtual pipeline stages are not supported")
         return cls(
             world_rank=dist.get_rank(),
             world_size=dist.get_world_size(),
@@ -159,4 +165,5 @@ class Topology:
             expert_tp_size=ps.get_expert_tensor_parallel_world_size(),
             expert_dp_rank=ps.get_expert_data_parallel_rank(),
             expert_dp_size=ps.get_expert_data_parallel_world_size(),
+            vp_size=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
         )

@@ -35,6 +35,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     ),
+    # qwen2-tiny with four layers: pipeline x virtual pipeline stages of one layer each.
+    "qwen2-tiny-4layer": dict(
+        architecture="Qwen2ForCausalLM",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
     # Slower per token than the API server's per-token work on 2 cores, so a streaming client sees
     # tokens about when the engine makes them (pause/resume tests need that).
     "qwen2-small": dict(
@@ -84,6 +96,37 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
+        vocab_size=512,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
+    # Qwen2-MoE: every layer routed (top-2 of 4) plus a shared expert behind a sigmoid gate.
+    "qwen2-moe-tiny": dict(
+        architecture="Qwen2MoeForCausalLM",
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        norm_topk_prob=False,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
+    "mistral-tiny": dict(
+        architecture="MistralForCausalLM",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        sliding_window=None,
         vocab_size=512,
         max_position_embeddings=4096,
         tie_word_embeddings=False,
@@ -185,6 +228,8 @@ def build_config(preset: str, dtype: str, eos_token_id: int):
         "Qwen3ForCausalLM": "qwen3",
         "LlamaForCausalLM": "llama",
         "Qwen3MoeForCausalLM": "qwen3_moe",
+        "Qwen2MoeForCausalLM": "qwen2_moe",
+        "MistralForCausalLM": "mistral",
     }[architecture]
     config = AutoConfig.for_model(
         model_type,

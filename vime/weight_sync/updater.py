@@ -19,6 +19,7 @@ take turns inside the session (`session.run_sync_session`).
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Sequence
 from datetime import timedelta
@@ -29,8 +30,7 @@ import torch.distributed as dist
 
 from vime.config import WeightSyncConfig
 from vime.megatron.converters import DecoderConverter
-from vime.megatron.gather import GatherGroups, HFWeightMeta, gather_hf_weights, hf_weight_metadata
-from vime.megatron.model import unwrap
+from vime.megatron.gather import GatherGroups, GatherPlan, HFWeightMeta
 from vime.megatron.topology import Topology
 from vime.utils.timing import PhaseTimer
 from vime.weight_sync.buckets import (
@@ -101,7 +101,7 @@ class WeightUpdater:
         *,
         config: WeightSyncConfig,
         engines: Sequence[Any],
-        model: torch.nn.Module,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
         converter: DecoderConverter,
         topology: Topology,
         gather_groups: GatherGroups,
@@ -110,6 +110,8 @@ class WeightUpdater:
     ):
         """`engines`: objects with VLLMEngine's control methods, the same engines on every rank.
 
+        `model`: this rank's model chunk, or its list of chunks (virtual pipeline stages), wrapped
+        (DDP, Float16Module) or not; local-spec or Transformer Engine layer names.
         `sync_group`: a gloo process group over all trainer ranks (its rank 0 drives the engines).
         `weight_version`: the version the engines serve now; each sync adds one.
         """
@@ -123,7 +125,16 @@ class WeightUpdater:
         self.gather_groups = gather_groups
         self.sync_group = sync_group
         self.weight_version = weight_version
-        self.metadata: list[HFWeightMeta] = hf_weight_metadata(converter, unwrap(model).config)
+        # What this rank gathers and sends; a model vime cannot map is reported by connect() on
+        # every rank at once (a rank raising alone would leave the others waiting).
+        self.plan: GatherPlan | None = None
+        self._plan_error: str | None = None
+        try:
+            self.plan = GatherPlan(model, converter=converter, topology=topology)
+        except ValueError as exc:
+            self._plan_error = f"trainer rank {dist.get_rank()}: {exc}"
+        # Every stage's HF tensors in sending order (stage 0 first), shared by connect().
+        self.metadata: list[HFWeightMeta] = []
         self.transport: Transport | None = None
         # Per engine, per worker: HF name -> the dtype it serves (may be wider than sent) and the
         # slice of the whole tensor it holds (tensor parallelism); read by check_engines.
@@ -230,8 +241,30 @@ class WeightUpdater:
             )
         self.engine_layouts = verdict[1]
 
+    def share_metadata(self) -> None:
+        """Every rank gets every stage's HF tensors (each pp sender lists its own, from the
+        model); raises ValueError on every rank, naming every unmapped tensor of every rank,
+        when some rank's model cannot be mapped. Collective over the sync group."""
+        mine = None
+        if self.plan is not None and self.is_sender:
+            mine = self.plan.stage_metadata()
+        everyone: list[Any] = [None] * dist.get_world_size(self.sync_group)
+        shared = (self._plan_error, self.topology.pp_rank, mine)
+        dist.all_gather_object(everyone, shared, group=self.sync_group)
+        errors = sorted({error for error, _, _ in everyone if error is not None})
+        if errors:
+            raise ValueError("; ".join(errors))
+        stages = sorted((pp_rank, meta) for _, pp_rank, meta in everyone if meta is not None)
+        self.metadata = [m for _, stage in stages for m in stage]
+        counts = collections.Counter(m.name for m in self.metadata)
+        twice = sorted(name for name, count in counts.items() if count > 1)
+        if twice:
+            raise ValueError(f"HF tensors sent by more than one pipeline stage: {twice[:10]}")
+
     def connect(self) -> None:
-        """Check the engines, plan this stage's buckets and join the engines, stage by stage."""
+        """Share the stages' tensor lists, check the engines, plan this stage's buckets and join
+        the engines, stage by stage."""
+        self.share_metadata()
         self.check_engines()
 
         def join() -> None:
@@ -266,22 +299,24 @@ class WeightUpdater:
     # ---- one sync ------------------------------------------------------------------------
 
     @torch.no_grad()
-    def update_weights(self) -> SyncReport:
-        """Sync the model's current weights into every engine; call on every trainer rank."""
+    def update_weights(self, version: int | None = None) -> SyncReport:
+        """Sync the model's current weights into every engine as `version` (None: the next one);
+        call on every trainer rank. `weight_version` becomes `version` once the sync succeeded;
+        after a failure it is unchanged (the engines may hold a mix: sync again)."""
         if self.is_sender and self.transport is None:
             raise RuntimeError("call connect() before update_weights()")
-        self.weight_version += 1
+        version = self.weight_version + 1 if version is None else version
         self._send_timer.reset()
         sent: dict[str, dict[Served, str]] = {}  # name -> {(served dtype, slice): digest}
         counts = {"buckets": 0, "bytes": 0}
         verify = None
         if self.config.verify_checksums:
-            verify = (lambda: self._verify(sent)) if self.is_sender else (lambda: None)
+            verify = (lambda: self._verify(sent, version)) if self.is_sender else (lambda: None)
         try:
             report = run_sync_session(
                 engines=self.engines,
                 group=self.sync_group,
-                weight_version=self.weight_version,
+                weight_version=version,
                 pp_rank=self.topology.pp_rank,
                 pp_size=self.topology.pp_size,
                 send_stage=lambda: self._send_stage(sent, counts),
@@ -294,10 +329,16 @@ class WeightUpdater:
             if self.transport is not None:
                 self.transport.discard()  # engines may still hold views of what was sent
             raise
+        self.weight_version = version
         report.num_buckets, report.num_bytes = counts["buckets"], counts["bytes"]
         report.verified = verify is not None
         report.send_seconds = self._send_breakdown()
         return report
+
+    def resync(self) -> SyncReport:
+        """Push the current weights again under the version the engines should hold now (an
+        engine restarted, or a resumed job's fresh engines): no new version."""
+        return self.update_weights(version=self.weight_version)
 
     def _send_breakdown(self) -> dict[str, float]:
         """This rank's send phase split up: gather, convert, pack, checksum, transfer.
@@ -313,13 +354,9 @@ class WeightUpdater:
         return seconds
 
     def _send_stage(self, sent: dict[str, dict[Served, str]], counts: dict[str, int]) -> None:
-        gathered = gather_hf_weights(
-            self.model,
-            converter=self.converter,
-            topology=self.topology,
-            groups=self.gather_groups,
-            timeout=self._timeout,
-            timer=self._send_timer,
+        assert self.plan is not None
+        gathered = self.plan.gather(
+            self.gather_groups, timeout=self._timeout, timer=self._send_timer
         )
         if not self.is_sender:
             for _ in gathered:  # takes part in the stage's gathers; yields nothing here
@@ -351,7 +388,7 @@ class WeightUpdater:
         leftover = [name for name, _ in gathered]
         assert not leftover, f"gathered tensors missing from the bucket plan: {leftover}"
 
-    def _verify(self, sent: dict[str, dict[Served, str]]) -> None:
+    def _verify(self, sent: dict[str, dict[Served, str]], version: int) -> None:
         """Every engine worker's sha256 of its part of each tensor this sender sent must equal
         the trainer's digest of the same slice."""
 
@@ -367,7 +404,7 @@ class WeightUpdater:
                 if differ:
                     raise ValueError(
                         f"worker {worker} serves {len(differ)} tensors that differ from the "
-                        f"trainer's after weight version {self.weight_version}: {differ[:10]}"
+                        f"trainer's after weight version {version}: {differ[:10]}"
                     )
 
         call_engines(self.engines, "verify", compare, timeout_s=self.config.transfer_timeout_s)

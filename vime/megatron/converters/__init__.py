@@ -13,13 +13,17 @@ from typing import Any
 
 from vime.megatron.converters.base import DecoderConverter, ModelDims
 from vime.megatron.converters.llama import LlamaConverter
+from vime.megatron.converters.mistral import MistralConverter
 from vime.megatron.converters.qwen2 import Qwen2Converter
+from vime.megatron.converters.qwen2_moe import Qwen2MoeConverter
 from vime.megatron.converters.qwen3 import Qwen3Converter
 from vime.megatron.converters.qwen3_moe import Qwen3MoeConverter
 
 CONVERTERS: dict[str, type[DecoderConverter]] = {
     "LlamaForCausalLM": LlamaConverter,
+    "MistralForCausalLM": MistralConverter,
     "Qwen2ForCausalLM": Qwen2Converter,
+    "Qwen2MoeForCausalLM": Qwen2MoeConverter,
     "Qwen3ForCausalLM": Qwen3Converter,
     "Qwen3MoeForCausalLM": Qwen3MoeConverter,
 }

@@ -1,11 +1,16 @@
 """Name and layout mapping between a Megatron-core GPTModel and a Llama-style HF checkpoint.
 
-Megatron names here are *full* names: unsharded tensors (as at TP=1), global layer indices (as at
-PP=1) and global expert indices (as at EP=1), e.g. `decoder.layers.7.mlp.experts.local_experts.5
-.linear_fc1.weight`. Sharding and gathering are `vime.megatron.sharding` / `gather`'s business;
-converters are pure tensor functions and never talk to other ranks.
+Megatron names here are *canonical full* names: local-spec module names (a Transformer Engine
+model's fused norms and grouped experts are renamed to these first, see
+`vime.megatron.param_names`), unsharded tensors (as at TP=1), global layer indices (as at PP=1)
+and global expert indices (as at EP=1), e.g.
+`decoder.layers.7.mlp.experts.local_experts.5.linear_fc1.weight`. Sharding and gathering are
+`vime.megatron.sharding` / `gather`'s business; converters are pure tensor functions and never
+talk to other ranks.
 
-A family subclasses `DecoderConverter`, names its HF architecture and flips the feature flags.
+A family subclasses `DecoderConverter`, names its HF architecture and flips the feature flags;
+`layer_params` is the one table of what a decoder layer holds, read by the name mapping, the
+shapes and the round trip alike.
 """
 
 from __future__ import annotations
@@ -20,35 +25,21 @@ import torch
 from vime.megatron.converters.layouts import merge_glu, merge_qkv, split_glu, split_qkv
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
 EMBEDDING = "embedding.word_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
 OUTPUT_LAYER = "output_layer.weight"
 
-# megatron layer suffix -> (HF layer suffixes, layout); layouts: copy, qkv, glu
-_LAYER_RULES: dict[str, tuple[tuple[str, ...], str]] = {
-    "input_layernorm.weight": (("input_layernorm.weight",), "copy"),
-    "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), "copy"),
-    "self_attention.linear_qkv.weight": (
-        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-        "qkv",
-    ),
-    "self_attention.linear_qkv.bias": (
-        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-        "qkv",
-    ),
-    "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), "copy"),
-    "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), "copy"),
-    "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), "copy"),
-    "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "glu"),
-    "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "copy"),
-    "mlp.router.weight": (("mlp.gate.weight",), "copy"),
-}
-_EXPERT_RULES: dict[str, tuple[tuple[str, ...], str]] = {
-    "linear_fc1": (("gate_proj.weight", "up_proj.weight"), "glu"),
-    "linear_fc2": (("down_proj.weight",), "copy"),
-}
+
+@dataclass(frozen=True)
+class LayerParam:
+    """One parameter of a decoder layer: its Megatron suffix and full shape, the HF tensors it is
+    built from (suffixes under `model.layers.<i>.`) and how (copy, qkv, glu)."""
+
+    suffix: str
+    shape: tuple[int, ...]
+    hf_suffixes: tuple[str, ...]
+    layout: str = "copy"
 
 
 @dataclass(frozen=True)
@@ -71,6 +62,7 @@ class ModelDims:
     moe_ffn_hidden_size: int = 0
     moe_router_topk: int = 0
     moe_norm_topk_prob: bool = True
+    shared_expert_ffn_hidden_size: int = 0  # 0: no shared expert
 
 
 def _rope_theta(hf_config: Any) -> float:
@@ -85,12 +77,16 @@ def _rope_theta(hf_config: Any) -> float:
 
 
 class DecoderConverter:
-    """Megatron GPTModel (local spec, RMSNorm, SwiGLU, RoPE) <-> HF Llama-style decoder."""
+    """Megatron GPTModel (RMSNorm, SwiGLU, RoPE) <-> HF Llama-style decoder."""
 
     architecture: ClassVar[str] = ""
     qkv_bias: ClassVar[bool] = False
     qk_layernorm: ClassVar[bool] = False
     moe: ClassVar[bool] = False
+    # MoE only: a shared expert beside the routed ones, its HF module prefix, and whether a
+    # sigmoid gate (megatron's moe_shared_expert_gate) scales its output.
+    shared_expert_prefix: ClassVar[str] = ""
+    shared_expert_gate: ClassVar[bool] = False
 
     def __init__(self, hf_config: Any, *, padded_vocab_size: int | None = None) -> None:
         self.check_config(hf_config)
@@ -101,14 +97,6 @@ class DecoderConverter:
             raise ValueError(f"padded_vocab_size={padded} is smaller than vocab_size={vocab_size}")
         num_heads = int(hf_config.num_attention_heads)
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        moe_fields: dict[str, Any] = {}
-        if self.moe:
-            moe_fields = {
-                "num_experts": int(hf_config.num_experts),
-                "moe_ffn_hidden_size": int(hf_config.moe_intermediate_size),
-                "moe_router_topk": int(hf_config.num_experts_per_tok),
-                "moe_norm_topk_prob": bool(hf_config.norm_topk_prob),
-            }
         self.dims = ModelDims(
             num_layers=int(hf_config.num_hidden_layers),
             hidden_size=int(hf_config.hidden_size),
@@ -122,8 +110,9 @@ class DecoderConverter:
             norm_epsilon=float(hf_config.rms_norm_eps),
             rope_theta=_rope_theta(hf_config),
             max_position_embeddings=int(hf_config.max_position_embeddings),
-            **moe_fields,
+            **(self.moe_dims(hf_config) if self.moe else {}),
         )
+        self._layer_table = {param.suffix: param for param in self.layer_params()}
 
     @classmethod
     def check_config(cls, hf_config: Any) -> None:
@@ -134,61 +123,155 @@ class DecoderConverter:
         if getattr(hf_config, "use_sliding_window", False):
             raise ValueError(f"{cls.architecture}: use_sliding_window=True is not supported")
 
+    @classmethod
+    def moe_dims(cls, hf_config: Any) -> dict[str, Any]:
+        """The MoE fields of ModelDims (Qwen-style config names; families override)."""
+        return {
+            "num_experts": int(hf_config.num_experts),
+            "moe_ffn_hidden_size": int(hf_config.moe_intermediate_size),
+            "moe_router_topk": int(hf_config.num_experts_per_tok),
+            "moe_norm_topk_prob": bool(hf_config.norm_topk_prob),
+        }
+
+    # ---- the table ----------------------------------------------------------------------------
+
+    def layer_params(self) -> list[LayerParam]:
+        """Every parameter of one decoder layer (canonical Megatron suffixes), in module order."""
+        d = self.dims
+        qkv_rows = (d.num_attention_heads + 2 * d.num_query_groups) * d.head_dim
+        params = [
+            LayerParam("input_layernorm.weight", (d.hidden_size,), ("input_layernorm.weight",)),
+            LayerParam(
+                "self_attention.linear_proj.weight",
+                (d.hidden_size, d.num_attention_heads * d.head_dim),
+                ("self_attn.o_proj.weight",),
+            ),
+            LayerParam(
+                "self_attention.linear_qkv.weight",
+                (qkv_rows, d.hidden_size),
+                ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+                "qkv",
+            ),
+        ]
+        if self.qkv_bias:
+            params.append(
+                LayerParam(
+                    "self_attention.linear_qkv.bias",
+                    (qkv_rows,),
+                    ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+                    "qkv",
+                )
+            )
+        if self.qk_layernorm:
+            params.append(
+                LayerParam(
+                    "self_attention.q_layernorm.weight", (d.head_dim,), ("self_attn.q_norm.weight",)
+                )
+            )
+            params.append(
+                LayerParam(
+                    "self_attention.k_layernorm.weight", (d.head_dim,), ("self_attn.k_norm.weight",)
+                )
+            )
+        params.append(
+            LayerParam(
+                "pre_mlp_layernorm.weight", (d.hidden_size,), ("post_attention_layernorm.weight",)
+            )
+        )
+        params.extend(
+            self.moe_params() if self.moe else self.mlp_params("mlp.", "mlp.", d.ffn_hidden_size)
+        )
+        return params
+
+    def mlp_params(self, prefix: str, hf_prefix: str, ffn_hidden_size: int) -> list[LayerParam]:
+        """A gated MLP: Megatron `<prefix>linear_fc1` ([gate; up]) and `linear_fc2`."""
+        hidden = self.dims.hidden_size
+        return [
+            LayerParam(
+                f"{prefix}linear_fc1.weight",
+                (2 * ffn_hidden_size, hidden),
+                (f"{hf_prefix}gate_proj.weight", f"{hf_prefix}up_proj.weight"),
+                "glu",
+            ),
+            LayerParam(
+                f"{prefix}linear_fc2.weight",
+                (hidden, ffn_hidden_size),
+                (f"{hf_prefix}down_proj.weight",),
+            ),
+        ]
+
+    def moe_params(self) -> list[LayerParam]:
+        """Router, routed experts (global indices) and the shared expert of an MoE layer."""
+        d = self.dims
+        params = [
+            LayerParam("mlp.router.weight", (d.num_experts, d.hidden_size), ("mlp.gate.weight",))
+        ]
+        params.extend(self.router_extra_params())
+        for expert in range(d.num_experts):
+            params.extend(
+                self.mlp_params(
+                    f"mlp.experts.local_experts.{expert}.",
+                    f"mlp.experts.{expert}.",
+                    d.moe_ffn_hidden_size,
+                )
+            )
+        if d.shared_expert_ffn_hidden_size:
+            params.extend(
+                self.mlp_params(
+                    "mlp.shared_experts.",
+                    self.shared_expert_prefix,
+                    d.shared_expert_ffn_hidden_size,
+                )
+            )
+            if self.shared_expert_gate:
+                params.append(
+                    LayerParam(
+                        "mlp.shared_experts.gate_weight",
+                        (1, d.hidden_size),
+                        ("mlp.shared_expert_gate.weight",),
+                    )
+                )
+        return params
+
+    def router_extra_params(self) -> list[LayerParam]:
+        """Router tensors beside its weight (e.g. an expert bias); none by default."""
+        return []
+
     # ---- names and shapes -------------------------------------------------------------------
 
     def megatron_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        """Every full Megatron parameter of a PP=1 model, in GPTModel.named_parameters() order.
+        """Every full Megatron tensor of a PP=1 model (canonical names), in module order.
 
         With tied embeddings `output_layer.weight` is not listed: at PP=1 it does not exist, and
         at PP>1 the last stage's copy maps to no HF tensor (see `to_hf`).
         """
         d = self.dims
-        qkv_rows = (d.num_attention_heads + 2 * d.num_query_groups) * d.head_dim
         shapes: list[tuple[str, tuple[int, ...]]] = [
             (EMBEDDING, (d.padded_vocab_size, d.hidden_size))
         ]
         for layer in range(d.num_layers):
-            prefix = f"decoder.layers.{layer}."
-            layer_shapes = [
-                ("input_layernorm.weight", (d.hidden_size,)),
-                (
-                    "self_attention.linear_proj.weight",
-                    (d.hidden_size, d.num_attention_heads * d.head_dim),
-                ),
-                ("self_attention.linear_qkv.weight", (qkv_rows, d.hidden_size)),
-            ]
-            if self.qkv_bias:
-                layer_shapes.append(("self_attention.linear_qkv.bias", (qkv_rows,)))
-            if self.qk_layernorm:
-                layer_shapes.append(("self_attention.q_layernorm.weight", (d.head_dim,)))
-                layer_shapes.append(("self_attention.k_layernorm.weight", (d.head_dim,)))
-            layer_shapes.append(("pre_mlp_layernorm.weight", (d.hidden_size,)))
-            if self.moe:
-                layer_shapes.append(("mlp.router.weight", (d.num_experts, d.hidden_size)))
-                for expert in range(d.num_experts):
-                    expert_prefix = f"mlp.experts.local_experts.{expert}."
-                    layer_shapes.append(
-                        (
-                            expert_prefix + "linear_fc1.weight",
-                            (2 * d.moe_ffn_hidden_size, d.hidden_size),
-                        )
-                    )
-                    layer_shapes.append(
-                        (
-                            expert_prefix + "linear_fc2.weight",
-                            (d.hidden_size, d.moe_ffn_hidden_size),
-                        )
-                    )
-            else:
-                layer_shapes.append(
-                    ("mlp.linear_fc1.weight", (2 * d.ffn_hidden_size, d.hidden_size))
-                )
-                layer_shapes.append(("mlp.linear_fc2.weight", (d.hidden_size, d.ffn_hidden_size)))
-            shapes.extend((prefix + name, shape) for name, shape in layer_shapes)
+            shapes.extend(
+                (f"decoder.layers.{layer}.{param.suffix}", param.shape)
+                for param in self._layer_table.values()
+            )
         shapes.append((FINAL_NORM, (d.hidden_size,)))
         if not d.tie_word_embeddings:
             shapes.append((OUTPUT_LAYER, (d.padded_vocab_size, d.hidden_size)))
         return shapes
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        """The full shape of a canonical Megatron name (ValueError if it maps to nothing)."""
+        if name in (EMBEDDING, OUTPUT_LAYER):
+            self._rule(name)
+            return (self.dims.padded_vocab_size, self.dims.hidden_size)
+        if name == FINAL_NORM:
+            return (self.dims.hidden_size,)
+        layer_match = _LAYER.match(name)
+        if layer_match is not None and int(layer_match.group(1)) < self.dims.num_layers:
+            param = self._layer_table.get(layer_match.group(2))
+            if param is not None:
+                return param.shape
+        raise self._unmapped(name)
 
     def _rule(self, name: str) -> tuple[tuple[str, ...], str]:
         """(HF names, layout) of a full Megatron name; layouts: copy, qkv, glu, vocab."""
@@ -203,29 +286,21 @@ class DecoderConverter:
         layer_match = _LAYER.match(name)
         if layer_match is not None:
             layer, suffix = int(layer_match.group(1)), layer_match.group(2)
-            hf_prefix = f"model.layers.{layer}."
-            if layer < self.dims.num_layers:
-                expert_match = _EXPERT.match(suffix)
-                if expert_match is not None and self.moe:
-                    expert = int(expert_match.group(1))
-                    if expert < self.dims.num_experts:
-                        hf_names, layout = _EXPERT_RULES[expert_match.group(2)]
-                        expert_prefix = f"{hf_prefix}mlp.experts.{expert}."
-                        return tuple(expert_prefix + n for n in hf_names), layout
-                elif suffix in _LAYER_RULES and self._has_layer_param(suffix):
-                    hf_names, layout = _LAYER_RULES[suffix]
-                    return tuple(hf_prefix + n for n in hf_names), layout
-        raise ValueError(f"{self.architecture}: no HF mapping for Megatron parameter {name!r}")
+            param = self._layer_table.get(suffix)
+            if layer < self.dims.num_layers and param is not None:
+                hf_prefix = f"model.layers.{layer}."
+                return tuple(hf_prefix + n for n in param.hf_suffixes), param.layout
+        raise self._unmapped(name)
 
-    def _has_layer_param(self, suffix: str) -> bool:
-        if suffix == "self_attention.linear_qkv.bias":
-            return self.qkv_bias
-        if suffix.startswith(("self_attention.q_layernorm", "self_attention.k_layernorm")):
-            return self.qk_layernorm
-        if suffix == "mlp.router.weight":
-            return self.moe
-        if suffix.startswith("mlp.linear_fc"):
-            return not self.moe
+    def _unmapped(self, name: str) -> ValueError:
+        return ValueError(f"{self.architecture}: no HF mapping for Megatron parameter {name!r}")
+
+    def maps(self, name: str) -> bool:
+        """Whether the canonical full Megatron name has an HF mapping here."""
+        try:
+            self._rule(name)
+        except ValueError:
+            return False
         return True
 
     def hf_names(self, name: str) -> tuple[str, ...]:
