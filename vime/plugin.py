@@ -22,7 +22,8 @@ Every trainer rank, after torch.distributed and megatron's `initialize_model_par
 each wrapped in DDP / Float16Module or not, bf16 or fp32 parameters, local-spec or Transformer
 Engine layer names; the topology is read from megatron's parallel_state. The engines are launched
 as Ray actors (one local Ray cluster unless `cluster.ray_address` / $RAY_ADDRESS names one), or
-reached at `engine.external_urls`. vime's own job (`vime.train`) uses exactly this API.
+reached at `engine.external_urls` (plain HTTP, no Ray). vime's own job (`vime.train`) uses
+exactly this API.
 """
 
 from __future__ import annotations
@@ -244,8 +245,9 @@ class RolloutEngines:
         return asyncio.run(run())
 
     def shutdown(self) -> None:
-        """End the engines this job launched (rank 0) and leave Ray; external ones stay up."""
-        if not self.launched or dist.get_rank(self.group) != 0:
+        """End the engines this job launched (rank 0) and leave Ray; external ones stay up.
+        Idempotent."""
+        if not self.launched or not self.handles or dist.get_rank(self.group) != 0:
             return
         from vime.cluster.ray_cluster import disconnect
 
@@ -271,10 +273,18 @@ def _launch_or_attach(
     log_dir: str | Path | None,
     call_timeout_s: float,
 ) -> tuple[list[Any], list[str], list[dict[str, str]]]:
-    """Rank 0: engine handles (RayEngine wrappers over named actors), URLs, where each runs."""
+    """Rank 0: engine handles, URLs, where each runs. Launched engines are Ray actors (RayEngine
+    wrappers); external ones are plain HTTP clients, checked to answer as vLLM in dev mode."""
     import tempfile
 
     from vime.rollout.ray_engine import launch_engines
+    from vime.rollout.vllm_engine import VLLMEngine
+
+    if config.external_urls:
+        urls_given = config.external_urls
+        clients = [VLLMEngine(config, rank=i, url=url) for i, url in enumerate(urls_given)]
+        urls = [client.init() for client in clients]
+        return clients, urls, [{"external": "true"} for _ in urls]
 
     log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="vime-engines-"))
     return launch_engines(

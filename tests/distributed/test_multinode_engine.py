@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import requests
-import torch
 
 from vime.config import EngineConfig
 from vime.rollout.server import EngineNodeRole, launch_server
+from vime.testing.hf import hf_greedy
 from vime.utils.net import free_port
 
 pytestmark = pytest.mark.distributed
@@ -24,20 +24,6 @@ pytestmark = pytest.mark.distributed
 NODE_0, NODE_1 = "127.0.0.2", "127.0.0.3"
 PROMPT = [5, 17, 42, 7, 99, 3]
 NUM_TOKENS = 12
-
-
-def _hf_greedy(model_dir: Path) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([PROMPT]),
-            max_new_tokens=NUM_TOKENS,
-            do_sample=False,
-            min_new_tokens=NUM_TOKENS,
-        )
-    return out[0, len(PROMPT) :].tolist()
 
 
 def _node_config(model_dir: Path, node_rank: int) -> EngineConfig:
@@ -83,7 +69,7 @@ def test_tp2_engine_across_two_nodes_serves_exact_greedy(tiny_model_dir, tmp_pat
         response = requests.post(f"{node0.url}/v1/completions", json=body, timeout=120)
         response.raise_for_status()
         tokens = response.json()["choices"][0]["token_ids"]
-        assert tokens == _hf_greedy(tiny_model_dir)
+        assert tokens == hf_greedy(tiny_model_dir, PROMPT, NUM_TOKENS)
         assert "headless" in (tmp_path / "node1.log").read_text().lower()
     finally:
         for server in servers:

@@ -124,17 +124,20 @@ def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny
     assert (run_dir / "checkpoints" / f"step_{num_steps}" / "metadata.json").is_file()
 
 
-def test_sync_loop_with_two_pipeline_stages_over_gloo_with_kl_and_rollouts(
-    tmp_path, tiny_model_dir
+def test_sync_loop_with_virtual_pipeline_stages_over_gloo_with_kl_and_rollouts(
+    tmp_path, model_builder
 ):
-    """Two trainer ranks, one pipeline stage each: megatron's 1F1B schedule trains (the KL
-    reference through it too), each stage syncs its layers into the engine over its own gloo
-    group, and the checkpoint at the end holds both stages."""
+    """Two trainer ranks, two pipeline stages of two virtual stages each (a four-layer model:
+    rank 0 holds layers 0 and 2, rank 1 layers 1 and 3): megatron's interleaved 1F1B schedule
+    trains (the KL reference through it too), each stage syncs its chunks' layers into the
+    engine over its own gloo group, bit-exact by the engine's checksums, and the checkpoint at
+    the end holds every chunk."""
     run_dir, rows = run_job(
         "tiny_cpu_async_gloo.yaml",
         tmp_path,
-        tiny_model_dir,
+        model_builder("qwen2-tiny-4layer"),
         "trainer.pipeline_parallel_size=2",
+        "trainer.virtual_pipeline_parallel_size=2",
         "weight_sync.verify_checksums=true",
         "num_steps=2",
         "loop=sync",

@@ -17,6 +17,7 @@ import requests
 import torch
 from engine_token import HEADERS, TOKEN
 
+from vime.testing.hf import hf_greedy
 from vime.testing.tiny_model import build_tiny_model
 from vime.weight_sync.buckets import check_against_engine, pack, plan_buckets, tensor_digest
 from vime.weight_sync.transports.gloo import GlooTransport
@@ -132,18 +133,6 @@ def reference(models):
     return {"prompt_ids": tokenizer(PROMPT)["input_ids"], **loaded}
 
 
-def _hf_greedy(model, prompt_ids: list[int]) -> list[int]:
-    """Greedy decoding by hand: argmax, no stopping, no logits processors."""
-    ids = torch.tensor([prompt_ids])
-    out = []
-    with torch.no_grad():
-        for _ in range(NUM_NEW_TOKENS):
-            token = int(model(input_ids=ids).logits[0, -1].argmax())
-            out.append(token)
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return out
-
-
 def _specs(weights: dict[str, torch.Tensor]):
     return [(name, t.dtype, tuple(t.shape)) for name, t in weights.items()]
 
@@ -178,7 +167,7 @@ def _check_served(server: Server, reference, key: str, version: str) -> None:
     mismatched = sorted(name for name in expected.keys() | served.keys()
                         if expected.get(name) != served.get(name))  # fmt: skip
     assert not mismatched, f"served tensors differ from the {key} weights: {mismatched}"
-    hf_tokens = _hf_greedy(reference[key]["model"], reference["prompt_ids"])
+    hf_tokens = hf_greedy(reference[key]["model"], reference["prompt_ids"], NUM_NEW_TOKENS)
     assert server.greedy(reference["prompt_ids"]) == hf_tokens
     assert server.get("/weight_info") == {"weight_version": version}
 
@@ -187,8 +176,10 @@ def test_gloo_backend_syncs_exact_weights(servers, reference):
     server = servers["gloo"]
     prompt_ids = reference["prompt_ids"]
     old_tokens = server.greedy(prompt_ids)
-    assert old_tokens == _hf_greedy(reference["old"]["model"], prompt_ids)
-    assert old_tokens != _hf_greedy(reference["new"]["model"], prompt_ids), "seeds too alike"
+    assert old_tokens == hf_greedy(reference["old"]["model"], prompt_ids, NUM_NEW_TOKENS)
+    assert old_tokens != hf_greedy(reference["new"]["model"], prompt_ids, NUM_NEW_TOKENS), (
+        "seeds too alike"
+    )
 
     new = reference["new"]["weights"]
     check_against_engine(_specs(new), server.rpc("vime_weight_metadata"))
@@ -342,6 +333,6 @@ def test_vllm_trainer_factory_drives_vime_backends(servers, reference, backend):
         stats = server.rpc("vime_weight_update_stats")
         # gloo streams all buckets in one request; shm posts one request per bucket.
         assert stats["requests"] == (1 if backend == "gloo" else len(sender.buckets))
-        assert server.greedy(reference["prompt_ids"]) == _hf_greedy(
-            reference[key]["model"], reference["prompt_ids"]
+        assert server.greedy(reference["prompt_ids"]) == hf_greedy(
+            reference[key]["model"], reference["prompt_ids"], NUM_NEW_TOKENS
         )

@@ -118,6 +118,8 @@ def pp2_run(servers, model_dir, model_builder, tmp_path_factory):
             model_dir=bf16_dir,
             model_dtype="bfloat16",
         ),
+        # The last stage holds a parameter no converter maps: both ranks refuse, nothing moves.
+        SyncStep("gloo", (servers["A"],), version=97, expect_error=True, extra_param=True),
     )
     job = SyncJob(model_dir=model_dir, pp=2, steps=steps)
     return run_sync_job(job, 2, tmp_path_factory.mktemp("pp2"))
@@ -180,6 +182,21 @@ def test_mismatched_weights_rejected_before_any_transfer(tp1_run, checkpoint):
     (engine,) = record["engines"]
     assert engine["is_paused"] is False
     assert engine["weight_version"] == "1"  # still the previous sync's
+    assert engine["checksums"] == records[0]["engines"][0]["checksums"]
+
+
+def test_unmapped_parameter_rejected_on_every_rank_before_any_byte(pp2_run):
+    records, _ = pp2_run
+    record = records[3]
+    message = record["error"]  # every rank raised it, the stage without the parameter too
+    assert "decoder.layers.0.mlp.extra_scale" in message  # rank 1's local name, its one layer
+    assert "as decoder.layers.1.mlp.extra_scale" in message  # its global name
+    assert "Qwen2ForCausalLM" in message and "nothing was sent" in message
+    assert "trainer rank 1" in message
+    assert record["error_s"] < 10
+    (engine,) = record["engines"]
+    assert engine["is_paused"] is False
+    assert engine["weight_version"] == "20"  # the step before's, untouched
     assert engine["checksums"] == records[0]["engines"][0]["checksums"]
 
 

@@ -26,6 +26,8 @@ import torch
 from engine_token import HEADERS, TOKEN
 from megatron_harness import init_gloo_rank, spawn_ranks
 
+from vime.testing.hf import hf_greedy
+
 COLLECTIVE_TIMEOUT = timedelta(seconds=90)
 SEED_CHECK_TOKENS = 48  # continuation tokens compared with HF after a clear_cache switch
 GREEDY_TOKENS = 12
@@ -43,6 +45,8 @@ class SyncStep:
     model_dtype: str | None = None  # another model (e.g. a mismatch); None: the job's model
     model_dir: str | None = None
     expect_error: bool = False  # connect() must raise; nothing is synced
+    # The last stage's model gets a parameter no converter maps, for this step only.
+    extra_param: bool = False
     fail_in_send: bool = False  # the pp sender of the last stage raises after its first bucket
     bucket_bytes: int = 200_000
 
@@ -187,6 +191,10 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
             perturb(model, topology, optimizer, index)
         engine_config = EngineConfig(model_path=model_dir, request_timeout_s=60, auth_token=TOKEN)
         key = (step.transport, step.engine_urls, step.clear_cache, model_dir)
+        extra = None
+        if step.extra_param and topology.pp_rank == topology.pp_size - 1:
+            extra = model.decoder.layers[-1].mlp
+            extra.register_parameter("extra_scale", torch.nn.Parameter(torch.ones(4)))
         if key not in updaters or step.expect_error:
             engines = []
             for url in step.engine_urls:
@@ -217,6 +225,8 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
                 except ValueError as exc:
                     record["error"] = str(exc)
                 record["error_s"] = time.monotonic() - started
+                if extra is not None:
+                    del extra._parameters["extra_scale"]
                 _record_engines(rank, record, engines, out_dir, index)
                 dist.barrier()
                 continue
@@ -374,21 +384,6 @@ class HFReference:
         self.count += 1
         out = write_hf_checkpoint(weights, self.model_dir, self.root / f"exported-{self.count}")
         return AutoModelForCausalLM.from_pretrained(out, dtype=dtype).eval()
-
-
-def hf_greedy(model, prompt_ids, num_tokens: int) -> list[int]:
-    """Greedy decoding with the KV cache: argmax, no stopping, no logits processors."""
-    ids = torch.tensor([list(prompt_ids)])
-    out = []
-    past = None
-    with torch.no_grad():
-        for _ in range(num_tokens):
-            result = model(input_ids=ids, past_key_values=past, use_cache=True)
-            past = result.past_key_values
-            token = int(result.logits[0, -1].argmax())
-            out.append(token)
-            ids = torch.tensor([[token]])
-    return out
 
 
 def assert_synced(record: dict, exported: dict, hf: HFReference, checkpoint: dict) -> None:

@@ -71,11 +71,13 @@ def launch_engines(
 ) -> tuple[list[RayEngine], list[str], list[dict[str, str]]]:
     """Join (or start) the job's Ray cluster and bring up its engines as named actors.
 
-    Launched engines are placed by a placement group (one bundle per engine, see
-    vime.cluster.ray_cluster) and each serves on its own node's address; external ones
-    (`engine.external_urls`) get a light actor each. Returns the engine handles, their URLs and
-    where each runs (node_info). On failure, every engine that came up is shut down.
+    The engines are placed by a placement group (one bundle per engine, see
+    vime.cluster.ray_cluster) and each serves on its own node's address (external engines need
+    no Ray: `vime.plugin` reaches them by URL). Returns the engine handles, their URLs and where
+    each runs (node_info). On failure, every engine that came up is shut down.
     """
+    if engine.external_urls:
+        raise ValueError("launch_engines launches engines; external_urls are reached by URL")
     import ray
 
     from vime.cluster.ray_cluster import (
@@ -94,24 +96,16 @@ def launch_engines(
         runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}},
     )
     actor_cls = ray.remote(VLLMEngine)
-    if engine.external_urls:
-        actors = [
-            actor_cls.options(name=job.engine_actor_name(rank), num_cpus=0).remote(
-                engine, rank=rank, url=url, log_dir=log_dir
-            )
-            for rank, url in enumerate(engine.external_urls)
-        ]
-    else:
-        group = place_engines(cluster, job, engine.num_engines)
-        actors = [
-            actor_cls.options(
-                **engine_actor_options(cluster, job, group, rank),
-                # Threaded: restart() (fault tolerance) must run while a call is stuck on a
-                # stalled engine.
-                max_concurrency=4,
-            ).remote(engine, rank=rank, log_dir=log_dir, interface=cluster.interface)
-            for rank in range(engine.num_engines)
-        ]
+    group = place_engines(cluster, job, engine.num_engines)
+    actors = [
+        actor_cls.options(
+            **engine_actor_options(cluster, job, group, rank),
+            # Threaded: restart() (fault tolerance) must run while a call is stuck on a
+            # stalled engine.
+            max_concurrency=4,
+        ).remote(engine, rank=rank, log_dir=log_dir, interface=cluster.interface)
+        for rank in range(engine.num_engines)
+    ]
     try:
         urls = ray.get([actor.init.remote() for actor in actors], timeout=startup_bound(engine))
         infos = ray.get([actor.node_info.remote() for actor in actors], timeout=call_timeout_s)

@@ -12,6 +12,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from vime.weight_sync.buckets import Bucket
+from vime.weight_sync.engine.moe import expert_prefixes, refresh_cpu_moe_prepack
 from vime.weight_sync.engine.parallel_load import CoreThreads, core_threads_from_env, split_by_layer
 
 
@@ -41,6 +42,7 @@ class BucketEngine(WeightTransferEngine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.stats: dict[str, float] = {}
+        self._expert_prefixes: set[str] = set()  # MoE experts modules this update loaded
 
     @functools.cached_property
     def _load_threads(self) -> CoreThreads | None:
@@ -52,6 +54,7 @@ class BucketEngine(WeightTransferEngine):
 
         began = time.perf_counter()
         initialize_layerwise_reload(self.model)
+        self._expert_prefixes = set()
         started = time.perf_counter() - began
         self.stats = dict(
             start=started,
@@ -69,6 +72,10 @@ class BucketEngine(WeightTransferEngine):
 
         began = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
+        if self._expert_prefixes and not torch.accelerator.is_available():
+            self.stats["moe_layers_repacked"] = refresh_cpu_moe_prepack(
+                self.model, self._expert_prefixes
+            )
         self.stats["finish"] = time.perf_counter() - began
 
     def _count(self, phase: str, began: float) -> None:
@@ -97,6 +104,7 @@ class BucketEngine(WeightTransferEngine):
                 self.model.load_weights(group)
 
         began = time.perf_counter()
+        self._expert_prefixes |= expert_prefixes([name for name, _ in weights])
         threads = self._load_threads
         if threads is None:
             load(weights)

@@ -7,7 +7,8 @@ the whole HF tensor), so the trainer can compare the worker's part with the same
 tensor it sent. The slices follow vLLM's own weight loaders: column-parallel layers split rows
 (per fused part: q/k/v, gate/up; k/v heads replicated when there are fewer of them than workers),
 row-parallel layers split columns, vocab-parallel embeddings split vocabulary rows (their padding
-is dropped); everything else is whole on every worker.
+is dropped), fused MoE experts are split back per expert (`engine.moe`); everything else is whole
+on every worker.
 """
 
 from __future__ import annotations
@@ -44,12 +45,19 @@ def served_shards(model: torch.nn.Module, materialize: bool = True) -> Iterator[
     )
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
+    from vime.weight_sync.engine.moe import expert_tensors, is_routed_experts
+
     packed = getattr(model, "packed_modules_mapping", {}) or {}
     seen: set[int] = set()  # a tied lm_head shares the embedding's parameter: list it once
     for module_name, module in model.named_modules():
         leaf = module_name.rsplit(".", 1)[-1]
         parent = module_name[: -len(leaf)]
         tp_rank, tp_size = getattr(module, "tp_rank", 0), getattr(module, "tp_size", 1)
+        fused_experts = is_routed_experts(module)
+        if fused_experts:
+            for name, part, shape, shard in expert_tensors(module_name, module, materialize):
+                yield ServedTensor(name, part, shape, shard)
+            seen.update({id(module.w13_weight), id(module.w2_weight)})
         for param_name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
