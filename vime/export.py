@@ -51,10 +51,10 @@ def export(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None =
     """Write OUT/model.safetensors (+ the base model's other files); return OUT."""
     import torch.distributed as dist
 
-    from vime.megatron.checkpoint import latest_checkpoint, load_checkpoint
+    from vime.config import TrainConfig, latest_checkpoint
+    from vime.megatron.checkpoint import load_checkpoint
     from vime.megatron.gather import GatherGroups, gather_hf_weights
     from vime.megatron.model import initialize_model_parallel
-    from vime.train import TrainConfig
     from vime.trainer import MegatronTrainer
 
     run_dir, out = Path(run_dir), Path(out)

@@ -40,9 +40,8 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from vime.cluster.addresses import check_reachable, node_address
-from vime.cluster.config import ClusterConfig
-from vime.config import BroadcastTransportConfig, EngineConfig, WeightSyncConfig
+from vime.cluster.addresses import check_engines_reachable, node_address
+from vime.config import BroadcastTransportConfig, ClusterConfig, EngineConfig, WeightSyncConfig
 from vime.rollout.generation import GenerationClient, GenerationResult, SamplingConfig
 from vime.utils.net import is_loopback
 from vime.weight_sync.session import SyncReport, WeightSyncError
@@ -194,22 +193,15 @@ class RolloutEngines:
 
     def _check_reachable(self, address: str, weight_sync: WeightSyncConfig) -> None:
         """Every rank: the engines can reach this node's rendezvous, rank 0 the engines' URLs."""
-        hostname = socket.gethostname()
-        machines = self.machines()
-        for url, machine in zip(self.urls, machines, strict=True):
-            check_reachable(
-                urlsplit(url).hostname or "", "engine.host", own_host=machine, peer_hosts=[hostname]
-            )
         transport = weight_sync.transport
-        if isinstance(transport, BroadcastTransportConfig):
-            field = (
-                "weight_sync.transport.master_address"
-                if transport.master_address
-                else "the node address (cluster.node_address / VIME_HOST_IP / cluster.interface)"
-            )
-            check_reachable(
-                transport.master_address or address, field, own_host=hostname, peer_hosts=machines
-            )
+        broadcast = isinstance(transport, BroadcastTransportConfig)
+        master = transport.master_address if broadcast else None  # type: ignore[union-attr]
+        check_engines_reachable(
+            self.urls,
+            self.machines(),
+            rendezvous=(master or address) if broadcast else None,
+            rendezvous_field="weight_sync.transport.master_address" if master else None,
+        )
 
     def _attach_clients(self) -> list[Any]:
         """Ranks > 0: control-plane clients of the same servers, reached by URL."""
@@ -296,19 +288,6 @@ def _launch_or_attach(
     )
 
 
-def _padded_vocab_size(chunks: Sequence[torch.nn.Module], tp_size: int) -> int:
-    """The model's (padded) vocabulary: GPTModel's `vocab_size`, else its embedding rows x TP."""
-    for chunk in chunks:
-        size = getattr(chunk, "vocab_size", None)
-        if isinstance(size, int):
-            return size
-    for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                return int(param.shape[0]) * tp_size
-    raise ValueError("the model has no vocab_size and no embedding or output layer on this rank")
-
-
 class WeightSync:
     """Pushes the trainer's weights into the engines after each optimizer step.
 
@@ -336,7 +315,7 @@ class WeightSync:
         from vime.megatron.converters import get_converter
         from vime.megatron.gather import GatherGroups
         from vime.megatron.model import load_hf_config
-        from vime.megatron.param_names import model_chunks
+        from vime.megatron.param_names import model_chunks, padded_vocab_size
         from vime.megatron.topology import Topology
         from vime.weight_sync.updater import WeightUpdater
 
@@ -349,7 +328,7 @@ class WeightSync:
         hf_config = load_hf_config(hf_path)
         chunks = model_chunks(self.model)
         self.converter = get_converter(
-            hf_config, padded_vocab_size=_padded_vocab_size(chunks, self.topology.tp_size)
+            hf_config, padded_vocab_size=padded_vocab_size(chunks, self.topology.tp_size)
         )
         self.updater = WeightUpdater(
             config=self.config,
@@ -362,6 +341,11 @@ class WeightSync:
             weight_version=weight_version,
         )
         self.updater.connect()
+
+    @property
+    def group(self) -> Any:
+        """The gloo group over every trainer rank that the sync (and the engines) use."""
+        return self.engines.group
 
     @property
     def weight_version(self) -> int:

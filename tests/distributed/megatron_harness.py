@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -21,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
+
+from vime.utils.net import free_port
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=90)
 
@@ -64,12 +65,6 @@ def build_tied_variant(src: Path, out: Path) -> Path:
     return out
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def init_gloo_rank(rank: int, world_size: int, port: int) -> None:
     """This spawned process joins the test's gloo world on loopback, one thread per rank."""
     import torch.distributed as dist
@@ -89,15 +84,14 @@ def _worker(rank: int, world_size: int, port: int, job: Job, out_dir: str) -> No
     from te_names import TENamedModel
 
     from vime.megatron.converters import get_converter
+    from vime.megatron.forward import forward_logits, token_logprobs
     from vime.megatron.gather import GatherGroups, GatherPlan
     from vime.megatron.model import (
         build_gpt_model,
-        forward_logits,
         initialize_model_parallel,
         load_hf_checkpoint,
         load_hf_config,
         pad_vocab_size,
-        token_logprobs,
     )
     from vime.megatron.topology import Topology
 

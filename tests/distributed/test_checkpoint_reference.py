@@ -17,17 +17,17 @@ from megatron_harness import COLLECTIVE_TIMEOUT, init_gloo_rank, spawn_ranks
 pytestmark = pytest.mark.distributed
 
 
-def _total(model: torch.nn.Module) -> float:
-    return sum(float(p.double().sum()) for p in model.parameters())
+def _total(chunks: list[torch.nn.Module]) -> float:
+    return sum(float(p.double().sum()) for chunk in chunks for p in chunk.parameters())
 
 
 def _worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
 
+    from vime.config import GRPOConfig, TrainerConfig
     from vime.megatron.checkpoint import TrainingState, load_checkpoint, save_checkpoint
     from vime.megatron.model import initialize_model_parallel
-    from vime.rl.loss import GRPOConfig
-    from vime.trainer import MegatronTrainer, TrainerConfig
+    from vime.trainer import MegatronTrainer
 
     init_gloo_rank(rank, world_size, port)
     topology = initialize_model_parallel(timeout=COLLECTIVE_TIMEOUT)
@@ -38,7 +38,7 @@ def _worker(rank: int, world_size: int, port: int, model_dir: str, out_dir: str)
 
     tuned = trainer(0.1)
     with torch.no_grad():
-        for param in tuned.model.parameters():
+        for param in tuned.parameters():
             param.add_(0.5)  # stands in for the SFT stage
     tuned.start_rl()
     save_checkpoint(tuned, Path(out_dir) / "kl", TrainingState(next_step=3, weight_version=4))

@@ -40,7 +40,8 @@ pytestmark = [
     pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores"),
 ]
 
-DENSE = ("qwen2-tiny", "qwen3-tiny", "llama-tiny")
+# Qwen2 is synced into real engines by every weight-sync test; here Qwen3 (q/k norms) and Llama.
+DENSE = ("qwen3-tiny", "llama-tiny")
 MOE = ("qwen3-moe-tiny", "qwen2-moe-tiny")
 BUCKET_BYTES = 300_000  # several buckets per model; layers cut across them
 PROMPT = "Q: 12+7= A:"

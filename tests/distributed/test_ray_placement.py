@@ -14,7 +14,6 @@ import textwrap
 
 import pytest
 
-from vime.cluster.config import ClusterConfig
 from vime.cluster.ray_cluster import (
     NODE_RESOURCE_PREFIX,
     JobIdentity,
@@ -23,6 +22,7 @@ from vime.cluster.ray_cluster import (
     place_engines,
     wait_for_nodes,
 )
+from vime.config import ClusterConfig
 
 pytestmark = pytest.mark.distributed
 
@@ -112,7 +112,7 @@ SECOND_JOB = textwrap.dedent(
     """
     import json, sys
     import ray
-    from vime.cluster.config import ClusterConfig
+    from vime.config import ClusterConfig
     from vime.cluster.ray_cluster import JobIdentity, connect, engine_actor_options, place_engines
 
     address, job_id = sys.argv[1:3]

@@ -12,11 +12,10 @@ import time
 import pytest
 import torch
 
-from vime.config import EngineConfig
+from vime.config import RolloutConfig
 from vime.rl.data import DIGIT_REPEAT_TRAIN
-from vime.rl.rollout import RolloutConfig, RolloutManager, RolloutThread
+from vime.rl.rollout import RolloutManager, RolloutThread
 from vime.rollout.generation import GenerationClient
-from vime.rollout.vllm_engine import VLLMEngine
 
 pytestmark = pytest.mark.distributed
 
@@ -30,13 +29,9 @@ def model_dir(model_builder):
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir, tmp_path_factory):
-    # No worker extension: generation needs none, and this test stays independent of weight_sync.
-    config = EngineConfig(model_path=str(model_dir), max_model_len=256, worker_extension_cls=None)
-    engine = VLLMEngine(config, log_dir=str(tmp_path_factory.mktemp("engine-logs")))
-    engine.init()
-    yield engine
-    engine.shutdown()
+def engine(engine_pool):
+    """The session's shared shm engine (reset to the checkpoint): generation needs no more."""
+    return engine_pool.get("shm")["shm"]
 
 
 @pytest.fixture(scope="module")

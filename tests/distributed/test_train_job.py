@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from vime.utils.net import free_port
+
 pytestmark = pytest.mark.distributed
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +34,7 @@ def job_command(config: str, run_dir: Path, model_dir: Path, *overrides: str, np
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        str(_free_port()),
+        str(free_port()),
         "-m",
         "vime.train",
         "--config",
@@ -53,12 +55,6 @@ def run_job(config: str, tmp_path: Path, model_dir: Path, *overrides: str, nproc
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return run_dir, rows
-
-
-def _free_port() -> int:
-    from vime.utils.net import free_port
-
-    return free_port()
 
 
 def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny_model_dir):
@@ -149,6 +145,8 @@ def test_sync_loop_with_virtual_pipeline_stages_over_gloo_with_kl_and_rollouts(
     )
     metrics = rows
     assert [m["sync/weight_version"] for m in metrics] == [1, 2]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["model_chunks_per_rank"] == 2 and summary["failed"] is False
     # Synchronous: each batch is generated after the previous step's training and sync.
     assert metrics[1]["time/gen_start"] >= metrics[0]["time/train_end"]
     # With the sync loop every token comes from the trainer's current weights.
@@ -169,23 +167,11 @@ def test_sync_loop_with_virtual_pipeline_stages_over_gloo_with_kl_and_rollouts(
         assert isinstance(sample["reward"], float)
 
 
-def test_malformed_config_fails_fast_naming_the_field(tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text((REPO_ROOT / "configs" / "tiny_cpu_async.yaml").read_text() + "\nnum_stepz: 3\n")
-    completed = subprocess.run(
-        [sys.executable, "-m", "vime.train", "--config", str(bad), "trainer.lr=-1"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert completed.returncode != 0
-    assert "num_stepz" in completed.stderr and "trainer.lr" in completed.stderr
-
-
 def test_failure_after_launch_ends_the_engine_servers(tmp_path, tiny_model_dir):
-    """An error once the engines are up (here: a reward path that does not resolve) must not
-    leave a vLLM server behind: the job ends the process group of every server it started."""
+    """An error once the engines are up (here: a float32 trainer against a bfloat16 engine,
+    which only the engine can tell, at the pre-send check) must not leave a vLLM server behind:
+    the job ends the process group of every server it started, and its summary says it
+    failed."""
     import re
     import time
 
@@ -195,7 +181,7 @@ def test_failure_after_launch_ends_the_engine_servers(tmp_path, tiny_model_dir):
             "tiny_cpu_async.yaml",
             run_dir,
             tiny_model_dir,
-            "rollout.reward_fn=vime.rl.rewards:no_such_reward",
+            "engine.dtype=bfloat16",
         ),
         cwd=REPO_ROOT,
         capture_output=True,
@@ -203,7 +189,9 @@ def test_failure_after_launch_ends_the_engine_servers(tmp_path, tiny_model_dir):
         timeout=600,
     )
     assert completed.returncode != 0
-    assert "no_such_reward" in completed.stderr
+    assert "trainer weights do not fit the engines" in completed.stderr, completed.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["failed"] is True and "do not fit the engines" in summary["error"]
     log = (run_dir / "engines" / "vllm-engine-0.log").read_text()
     pids = {int(pid) for pid in re.findall(r"\((?:APIServer|EngineCore) pid=(\d+)\)", log)}
     assert pids, "the engine log names no server process"
@@ -273,36 +261,3 @@ def test_external_tp2_engine_on_another_node_syncs_over_gloo(tmp_path, tiny_mode
     assert (
         "via 127.0.0.2:" in completed.stderr
     )  # the gloo rendezvous listened on the trainer's node
-
-
-@pytest.mark.parametrize(
-    ("case", "expected"),
-    [
-        ("yaml", r"bad\.yaml, line 2, column 13: not valid YAML: mapping values are not allowed"),
-        ("checkpoint", r"engine\.model_path='.*no-such-model' does not exist"),
-    ],
-)
-def test_bad_input_exits_2_before_anything_starts(tmp_path, case, expected):
-    import re
-    import time
-
-    bad = tmp_path / "bad.yaml"
-    text = (REPO_ROOT / "configs" / "tiny_cpu_async.yaml").read_text()
-    overrides = []
-    if case == "yaml":
-        bad.write_text("run_dir: x\nnum_steps: 3: 4\nloop: sync\n")
-    else:
-        bad.write_text(text)
-        overrides = [f"engine.model_path={tmp_path / 'no-such-model'}", "model.preset=null"]
-    start = time.monotonic()
-    completed = subprocess.run(
-        [sys.executable, "-m", "vime.train", "--config", str(bad), *overrides],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert completed.returncode == 2, completed.stderr[-3000:]
-    assert re.search(expected, completed.stderr), completed.stderr[-3000:]
-    assert "Traceback" not in completed.stderr and "Ray" not in completed.stderr
-    assert time.monotonic() - start < 60

@@ -57,10 +57,10 @@ def _worker(
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from vime.config import GRPOConfig, TrainerConfig
     from vime.megatron.gather import GatherGroups, gather_hf_weights
     from vime.megatron.model import initialize_model_parallel, unwrap
-    from vime.rl.loss import GRPOConfig
-    from vime.trainer import MegatronTrainer, TrainerConfig
+    from vime.trainer import MegatronTrainer
 
     init_gloo_rank(rank, world_size, port)
     topology = initialize_model_parallel(tp=tp, pp=pp, vp=vp, timeout=COLLECTIVE_TIMEOUT)

@@ -44,7 +44,8 @@ def _http(method: str, url: str, *, timeout_s: float = HTTP_TIMEOUT_S, **kwargs)
 
 class Server:
     """One vLLM CPU server this test launched with vime's launcher (a keeper ends it and every
-    /dev/shm file its processes mapped), the test token on every route."""
+    /dev/shm file its processes mapped), or a shared one (`attach`), the test token on every
+    route."""
 
     def __init__(self, model_dir: Path, backend: str, log_path: Path):
         from vime.config import EngineConfig
@@ -56,14 +57,22 @@ class Server:
             weight_transfer_backend=backend,
             max_model_len=512,
             startup_timeout_s=STARTUP_TIMEOUT_S,
-            extra_args=["--served-model-name", "tiny"],
         )
         self.config = config.model_copy(update={"auth_token": TOKEN})
         self.process = launch_server(config, host=HOST, port=None, log_path=log_path, token=TOKEN)
         self.url = self.process.url
 
+    @classmethod
+    def attach(cls, engine, backend: str) -> Server:
+        """The same methods over an engine someone else started (and stops)."""
+        server = cls.__new__(cls)
+        server.backend, server.config, server.url = backend, engine.config, engine.url
+        server.process = None
+        return server
+
     def stop(self) -> None:
-        self.process.stop()
+        if self.process is not None:
+            self.process.stop()
 
     def post(self, path: str, **kwargs):
         return _http("POST", self.url + path, **kwargs)
@@ -77,7 +86,7 @@ class Server:
 
     def greedy(self, prompt_ids: list[int]) -> list[int]:
         body = {
-            "model": "tiny",
+            "model": self.config.model_path,
             "prompt": prompt_ids,
             "max_tokens": NUM_NEW_TOKENS,
             "temperature": 0.0,
@@ -88,33 +97,17 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(tiny_model_dir, tmp_path_factory):
+    """ "old": the shared engines' checkpoint (qwen2-tiny, seed 0); "new": seed 1."""
     root = tmp_path_factory.mktemp("models")
-    return {
-        "old": build_tiny_model(root / "old", seed=0),
-        "new": build_tiny_model(root / "new", seed=1),
-    }
+    return {"old": tiny_model_dir, "new": build_tiny_model(root / "new", seed=1)}
 
 
 @pytest.fixture(scope="module")
-def servers(models, tmp_path_factory):
-    """Both servers start at once: startup dominates this file's runtime."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    logs = tmp_path_factory.mktemp("logs")
-    started = {}
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            futures = {
-                backend: pool.submit(Server, models["old"], backend, logs / f"vllm-{backend}.log")
-                for backend in ("gloo", "shm")
-            }
-            for backend, future in futures.items():
-                started[backend] = future.result()
-        yield started
-    finally:
-        for server in started.values():
-            server.stop()
+def servers(engine_pool):
+    """The session's shared gloo and shm engines, on the "old" weights (the checkpoint)."""
+    engines = engine_pool.get("gloo", "shm")
+    return {backend: Server.attach(engine, backend) for backend, engine in engines.items()}
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Weight sync end to end: real megatron-core trainer ranks on gloo into real vLLM CPU servers.
 
-Three servers for the module (qwen2-tiny float32): A and C run the vime `gloo` backend, B `shm`.
+Four servers (qwen2-tiny): A and C run the vime `gloo` backend, B `shm` (A and B are the
+session's shared engines, reset to the checkpoint first), D `gloo` on the bfloat16 checkpoint.
 Each job spawns trainer ranks in one parallel layout (TP1xPP1, TP2xPP1, TP1xPP2) that take SGD
 steps and sync over gloo (UpdateWeightFromDistributed) and shm (UpdateWeightFromTensor); see
 `weight_sync_harness`. After every sync the served tensors must equal the trainer's exported
@@ -40,17 +41,18 @@ def model_dir(model_builder) -> str:
 
 
 @pytest.fixture(scope="module")
-def servers(model_dir, model_builder, tmp_path_factory):
-    """A, C: gloo; B: shm; D: gloo serving the bfloat16 checkpoint. Launched at once."""
+def servers(model_dir, model_builder, tmp_path_factory, engine_pool):
+    """A: gloo, B: shm (the session's shared engines, reset to the checkpoint); C: gloo; D: gloo
+    serving the bfloat16 checkpoint. C and D launched at once."""
+    shared = engine_pool.get("gloo", "shm")
     bf16_dir = str(model_builder("qwen2-tiny", "bfloat16"))
     specs = {
-        "A": {"weight_transfer_backend": "gloo", "model_path": model_dir},
-        "B": {"weight_transfer_backend": "shm", "model_path": model_dir},
         "C": {"weight_transfer_backend": "gloo", "model_path": model_dir},
         "D": {"weight_transfer_backend": "gloo", "model_path": bf16_dir, "dtype": "bfloat16"},
     }
     with running_engines(specs, str(tmp_path_factory.mktemp("engine-logs"))) as engines:
-        yield {name: engine.url for name, engine in engines.items()}
+        urls = {name: engine.url for name, engine in engines.items()}
+        yield {"A": shared["gloo"].url, "B": shared["shm"].url, **urls}
 
 
 @pytest.fixture(scope="module")

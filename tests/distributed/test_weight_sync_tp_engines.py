@@ -30,8 +30,8 @@ from weight_sync_harness import (
     running_engines,
 )
 
-from vime.rollout.keeper import group_members, mapped_shm_files
 from vime.rollout.vllm_engine import VLLMEngine
+from vime.utils.keeper import group_members, mapped_shm_files
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from vime.rollout.keeper import group_members, mapped_shm_files
+from vime.utils.keeper import group_members, mapped_shm_files
 from vime.utils.net import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -148,6 +148,12 @@ class BackgroundJob:
         )
 
     # ---- how it ended --------------------------------------------------------------------------
+
+    def sync_open_at_end(self, rank: int = 0) -> bool:
+        """Whether the engine's last weight update was still open when its log ended: it
+        answered a /start_weight_update and no /finish_weight_update after it."""
+        log = self.engine_log(rank)
+        return log.rfind("/start_weight_update") > log.rfind("/finish_weight_update")
 
     def left_alive(self) -> dict[int, str]:
         return {pid: cmdline(pid) for pid, began in self.pids.items() if start_time(pid) == began}

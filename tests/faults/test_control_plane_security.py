@@ -12,7 +12,6 @@ import uuid
 import pytest
 import requests
 
-from vime.config import EngineConfig
 from vime.rollout.vllm_engine import VLLMEngine
 from vime.utils.http import EngineHTTPError
 
@@ -20,18 +19,9 @@ pytestmark = pytest.mark.faults
 
 
 @pytest.fixture(scope="module")
-def engine(model_builder, tmp_path_factory):
-    config = EngineConfig(
-        model_path=str(model_builder("qwen2-tiny")),
-        weight_transfer_backend="shm",
-        max_model_len=256,
-        startup_timeout_s=300,
-        request_timeout_s=60,
-    )
-    engine = VLLMEngine(config, log_dir=str(tmp_path_factory.mktemp("engine-logs")))
-    engine.init()
-    yield engine
-    engine.shutdown()
+def engine(engine_pool):
+    """The session's shared shm engine (reset to the checkpoint), locked with the test token."""
+    return engine_pool.get("shm")["shm"]
 
 
 def _greedy(engine: VLLMEngine) -> list[int]:

@@ -37,10 +37,10 @@ def _worker(kind: str, model_dir: str, out: str) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything asks CUDA
     import torch.distributed as dist
 
+    from vime.config import GRPOConfig, TrainerConfig
     from vime.megatron.gather import GatherGroups, gather_hf_weights
     from vime.megatron.model import initialize_model_parallel
-    from vime.rl.loss import GRPOConfig
-    from vime.trainer import MegatronTrainer, TrainerConfig
+    from vime.trainer import MegatronTrainer
     from vime.utils.dist_env import default_to_single_process, init_process_group
 
     default_to_single_process()  # a world of one on loopback, as torchrun would set it

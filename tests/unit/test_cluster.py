@@ -10,12 +10,10 @@ from pathlib import Path
 import pytest
 
 from vime.cluster.addresses import check_reachable, node_address
-from vime.cluster.config import ClusterConfig, SlurmConfig
 from vime.cluster.node import ray_start_argv, trainer_argv
 from vime.cluster.ray_cluster import JobIdentity, engine_bundle
 from vime.cluster.slurm import fill, render
-from vime.config import load_config
-from vime.train import TrainConfig
+from vime.config import ClusterConfig, SlurmConfig, TrainConfig, load_config
 
 pytestmark = pytest.mark.unit
 

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import http.server
+import importlib.util
 import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from vime.config import EngineConfig, apply_overrides, load_config
+from vime.rollout.cpu_binding import cpu_core_binding
 from vime.rollout.generation import SamplingConfig, expand_weight_versions
-from vime.rollout.server import build_server_command, cpu_core_binding
+from vime.rollout.server import build_server_command
 from vime.utils.http import EngineHTTPError, request_json
 
 pytestmark = pytest.mark.unit
@@ -108,7 +111,14 @@ def test_server_command_has_dev_mode_backend_and_extension():
     assert env["VLLM_HOST_IP"] == "127.0.0.3" and env["VIME_HOST_IP"] == "127.0.0.3"
     assert cmd[cmd.index("--dtype") + 1] == "float32"
     assert '{"backend": "gloo"}' in cmd and "--enable-scale-out" in cmd
-    assert cmd[cmd.index("--worker-extension-cls") + 1] == config.worker_extension_cls
+    # The extension vLLM's workers import by that path really is vime's (checked without
+    # importing vLLM): a renamed module would start servers without the gloo/shm backends.
+    extension = cmd[cmd.index("--worker-extension-cls") + 1]
+    module, _, name = extension.rpartition(".")
+    assert (module, name) == ("vime.weight_sync.vllm_extension", "VimeWorkerExtension")
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None
+    assert f"class {name}:" in Path(spec.origin).read_text()
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
 
 
@@ -218,8 +228,8 @@ def test_stop_ends_the_group_when_its_leader_is_already_dead(tmp_path):
     import subprocess
     import time
 
-    from vime.rollout.keeper import group_members
     from vime.rollout.server import ServerProcess
+    from vime.utils.keeper import group_members
 
     process = subprocess.Popen(
         ["bash", "-c", "sleep 300 & sleep 300 & wait"], start_new_session=True

@@ -16,8 +16,8 @@ import uuid
 
 import pytest
 
-from vime.rollout.keeper import group_members, mapped_shm_files, spawn_kept
 from vime.rollout.server import ServerProcess
+from vime.utils.keeper import group_members, mapped_shm_files, spawn_kept
 
 pytestmark = pytest.mark.unit
 
@@ -34,7 +34,7 @@ time.sleep(300)
 
 OWNER = """
 import sys, time
-from vime.rollout.keeper import spawn_kept
+from vime.utils.keeper import spawn_kept
 keeper = spawn_kept([sys.executable, "-c", sys.argv[1], sys.argv[2]], grace_s=1.0)
 print(keeper.pid, flush=True)
 time.sleep(300)

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from vime.rl.loss import GRPOConfig, group_advantages, grpo_loss
+from vime.config import GRPOConfig
+from vime.rl.loss import group_advantages, grpo_loss
 
 pytestmark = pytest.mark.unit
 

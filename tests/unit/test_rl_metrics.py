@@ -85,17 +85,16 @@ def test_held_out_evaluations_are_kept_apart_plotted_and_summarised(tmp_path):
 
 
 def test_eval_config_is_one_greedy_pass_over_every_prompt():
-    from vime.rl.evaluate import EvalConfig
-    from vime.rl.rollout import RolloutConfig
+    from vime.config import EvalConfig, RolloutConfig
 
     rollout = RolloutConfig(num_samples_per_prompt=8, temperature=1.0, max_tokens=8)
-    config = EvalConfig(prompts_path="vime/data/target_digit/test.jsonl").rollout_config(rollout)
+    config = EvalConfig(prompts_path="target_digit/test.jsonl").rollout_config(rollout, 100)
     assert (config.num_prompts_per_step, config.num_samples_per_prompt) == (100, 1)
     assert (config.temperature, config.max_tokens) == (0.0, 8)
 
 
 def test_checkpoint_schedule_and_resume_path(tmp_path):
-    from vime.megatron.checkpoint import CheckpointConfig
+    from vime.config import CheckpointConfig
 
     every = CheckpointConfig(every_steps=2, at_end=False)
     assert [n for n in range(1, 6) if every.due(n, 5)] == [2, 4]

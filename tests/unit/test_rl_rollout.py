@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from vime.config import RolloutConfig
 from vime.rl.data import (
     DIGIT_REPEAT_TEST,
     DIGIT_REPEAT_TRAIN,
@@ -18,7 +19,7 @@ from vime.rl.data import (
     make_digit_repeat,
 )
 from vime.rl.rewards import digit_match
-from vime.rl.rollout import RolloutConfig, RolloutManager, RolloutThread
+from vime.rl.rollout import RolloutManager, RolloutThread
 from vime.rl.samples import RolloutSample, parse_weight_version, staleness_metrics
 from vime.rollout.generation import GenerationResult
 

@@ -7,10 +7,11 @@ from collections import Counter
 
 import pytest
 
-from vime.rl.data import DATA_DIR, digit_repeat_demonstrations, load_prompts
+from vime.config import SFTConfig
+from vime.rl.data import DATA_DIR, digit_repeat_demonstrations, load_demonstrations, load_prompts
 from vime.rl.metrics import MetricsWriter
 from vime.rl.rewards import digit_match
-from vime.rl.sft import SFTConfig, load_demonstrations, sft_batch
+from vime.rl.sft import sft_batch
 
 pytestmark = pytest.mark.unit
 

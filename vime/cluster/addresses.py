@@ -109,6 +109,31 @@ def check_reachable(address: str, field: str, *, own_host: str, peer_hosts: list
         )
 
 
+def check_engines_reachable(
+    urls: list[str],
+    machines: list[str],
+    *,
+    rendezvous: str | None,
+    rendezvous_field: str | None = None,
+) -> None:
+    """Every rank: each engine's URL can be reached from this machine, and (broadcast
+    transports) the engine machines can reach this node's `rendezvous` address; ValueError
+    naming the field to change otherwise."""
+    import socket
+    from urllib.parse import urlsplit
+
+    hostname = socket.gethostname()
+    for url, machine in zip(urls, machines, strict=True):
+        check_reachable(
+            urlsplit(url).hostname or "", "engine.host", own_host=machine, peer_hosts=[hostname]
+        )
+    if rendezvous is not None:
+        field = rendezvous_field or (
+            "the node address (cluster.node_address / VIME_HOST_IP / cluster.interface)"
+        )
+        check_reachable(rendezvous, field, own_host=hostname, peer_hosts=machines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Print this node's address (see module doc).")
     parser.add_argument("--interface", default=None, help="take this interface's IPv4 address")

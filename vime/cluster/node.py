@@ -16,11 +16,10 @@ of the job's script, or srun's forwarding sends) stops every Ray process of that
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 from vime.cluster.addresses import HOST_IP_ENV, node_address
-from vime.cluster.ray_cluster import ENGINE_RESOURCE_UNITS, NODE_RESOURCE_PREFIX
+from vime.cluster.ray_cluster import ray_start_argv
 from vime.utils.net import free_ports
 
 
@@ -29,46 +28,6 @@ def slurm_node_name() -> str:
     if not name:
         raise SystemExit("vime.cluster.node: SLURMD_NODENAME is not set; run it under srun")
     return name
-
-
-def ray_start_argv(
-    *,
-    address: str,
-    node_name: str,
-    head_port: int | None = None,
-    head_address: str | None = None,
-    engine_resource: str | None = None,
-    temp_dir: str | None = None,
-    dashboard_agent_port: int | None = None,
-    client_server_port: int | None = None,
-) -> list[str]:
-    """`ray start --block` for this node: the head (head_port) or a worker (head_address).
-
-    The head's client server listens on `client_server_port` (None: head_port + 1, which the
-    caller must know to be free)."""
-    if (head_port is None) == (head_address is None):
-        raise ValueError("give exactly one of head_port (the head) and head_address (a worker)")
-    resources = {f"{NODE_RESOURCE_PREFIX}{node_name}": 1}
-    if engine_resource:
-        resources[engine_resource] = ENGINE_RESOURCE_UNITS
-    argv = ["ray", "start", "--block", "--disable-usage-stats", f"--node-ip-address={address}"]
-    if head_port is not None:
-        argv += [
-            "--head",
-            f"--port={head_port}",
-            # Ray's client server takes 10001 unless told (one fixed port per machine).
-            f"--ray-client-server-port={client_server_port or head_port + 1}",
-            "--include-dashboard=false",
-        ]
-    else:
-        argv.append(f"--address={head_address}")
-    if temp_dir:
-        # The job's own: sockets, logs and the "current cluster" file of no other Ray.
-        argv.append(f"--temp-dir={temp_dir}")
-    if dashboard_agent_port is not None:
-        argv.append(f"--dashboard-agent-listen-port={dashboard_agent_port}")
-    argv.append(f"--resources={json.dumps(resources, separators=(',', ':'))}")
-    return argv
 
 
 def trainer_argv(

@@ -13,6 +13,7 @@ Actor names carry the job's name and id, so two jobs can share one Ray cluster.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -25,7 +26,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from vime.cluster.config import ClusterConfig
+from vime.config import ClusterConfig
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +103,11 @@ _local_head: dict[str, Any] = {}
 
 
 def _start_local_head(cluster: ClusterConfig, node_address: str) -> str:
-    """`ray start --head --block` of this job's own, under a keeper (vime.rollout.keeper) owned by
+    """`ray start --head --block` of this job's own, under a keeper (vime.utils.keeper) owned by
     this process: however this process ends, the keeper ends every Ray process of the cluster
     (`ray.init(address="local")` leaves Ray's agents running for minutes when its driver is
     SIGKILLed). Its own temp dir (no "current cluster" file another job would find) and token."""
-    from vime.cluster.node import ray_start_argv
-    from vime.rollout.keeper import spawn_kept
+    from vime.utils.keeper import spawn_kept
     from vime.utils.net import free_ports
 
     # Three distinct free ports: the GCS, Ray's client server, the dashboard agent. (The client
@@ -258,3 +258,43 @@ def wait_for_nodes(node_names: list[str], timeout_s: float, poll_s: float = 1.0)
                 "log directory"
             )
         time.sleep(poll_s)
+
+
+def ray_start_argv(
+    *,
+    address: str,
+    node_name: str,
+    head_port: int | None = None,
+    head_address: str | None = None,
+    engine_resource: str | None = None,
+    temp_dir: str | None = None,
+    dashboard_agent_port: int | None = None,
+    client_server_port: int | None = None,
+) -> list[str]:
+    """`ray start --block` for this node: the head (head_port) or a worker (head_address).
+
+    The head's client server listens on `client_server_port` (None: head_port + 1, which the
+    caller must know to be free)."""
+    if (head_port is None) == (head_address is None):
+        raise ValueError("give exactly one of head_port (the head) and head_address (a worker)")
+    resources = {f"{NODE_RESOURCE_PREFIX}{node_name}": 1}
+    if engine_resource:
+        resources[engine_resource] = ENGINE_RESOURCE_UNITS
+    argv = ["ray", "start", "--block", "--disable-usage-stats", f"--node-ip-address={address}"]
+    if head_port is not None:
+        argv += [
+            "--head",
+            f"--port={head_port}",
+            # Ray's client server takes 10001 unless told (one fixed port per machine).
+            f"--ray-client-server-port={client_server_port or head_port + 1}",
+            "--include-dashboard=false",
+        ]
+    else:
+        argv.append(f"--address={head_address}")
+    if temp_dir:
+        # The job's own: sockets, logs and the "current cluster" file of no other Ray.
+        argv.append(f"--temp-dir={temp_dir}")
+    if dashboard_agent_port is not None:
+        argv.append(f"--dashboard-agent-listen-port={dashboard_agent_port}")
+    argv.append(f"--resources={json.dumps(resources, separators=(',', ':'))}")
+    return argv

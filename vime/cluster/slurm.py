@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vime.cluster.config import ClusterConfig
+from vime.config import ClusterConfig
 
 TEMPLATE = Path(__file__).with_name("job.sbatch.tmpl")
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
@@ -190,8 +190,7 @@ def submit(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from vime.config import load_config
-    from vime.train import TrainConfig
+    from vime.config import TrainConfig, load_config
 
     parser = argparse.ArgumentParser(
         prog="vime slurm", description="Render (and submit) the sbatch script of a job config."

@@ -76,6 +76,19 @@ def model_chunks(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[tor
     return [unwrap(chunk) for chunk in chunks]
 
 
+def padded_vocab_size(chunks: Sequence[torch.nn.Module], tp_size: int) -> int:
+    """The model's (padded) vocabulary: GPTModel's `vocab_size`, else its embedding rows x TP."""
+    for chunk in chunks:
+        size = getattr(chunk, "vocab_size", None)
+        if isinstance(size, int):
+            return size
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                return int(param.shape[0]) * tp_size
+    raise ValueError("the model has no vocab_size and no embedding or output layer on this rank")
+
+
 def canonical_suffix(suffix: str) -> tuple[str, bool]:
     """A layer suffix under local-spec names, and whether it was a Transformer Engine name."""
     for pattern, replacement in _TE_RENAMES:

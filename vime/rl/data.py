@@ -22,6 +22,22 @@ DIGIT_REPEAT_TEST = DATA_DIR / "digit_repeat" / "test.jsonl"
 DIGIT_REPEAT_LENGTH = 8  # digit_match scores the first 8 characters
 
 
+def resolve_data_path(path: str | Path) -> Path:
+    """A data file named in a config: an absolute path as it is; a relative one from the working
+    directory if it is there, else from vime's package data (`vime/data/`, e.g.
+    "digit_repeat/train.jsonl"), so shipped configs work from any directory. ValueError naming
+    both places when neither has it."""
+    path = Path(path)
+    if path.is_absolute():
+        if not path.is_file():
+            raise ValueError(f"{path} does not exist")
+        return path
+    for candidate in (Path.cwd() / path, DATA_DIR / path):
+        if candidate.is_file():
+            return candidate.resolve()
+    raise ValueError(f"{path} is neither in {Path.cwd()} nor in vime's data ({DATA_DIR})")
+
+
 @dataclass(frozen=True)
 class PromptRecord:
     """One prompt of a dataset: text, a stable id and the reward function's metadata."""
@@ -75,6 +91,19 @@ _DIGIT_TEMPLATES = (
     "Q: {d} is the number A:",
     "Q: {d} {d} A: {d}{d}",
 )
+
+
+def load_demonstrations(path: str) -> list[PromptRecord]:
+    """Prompt records whose metadata holds a non-empty string `completion`."""
+    records = load_prompts(path)
+    for record in records:
+        completion = record.metadata.get("completion")
+        if not isinstance(completion, str) or not completion:
+            raise ValueError(
+                f"{path}: demonstration {record.id!r} needs a non-empty string field "
+                "'completion' (the answer the model should learn to write)"
+            )
+    return records
 
 
 def make_digit_repeat(num_prompts: int, seed: int) -> list[dict[str, Any]]:

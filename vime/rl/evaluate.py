@@ -18,51 +18,12 @@ import json
 import logging
 import math
 
-from pydantic import Field
-
-from vime.config import EngineConfig, StrictModel
+from vime.config import EngineConfig, RolloutConfig
 from vime.rl.data import DIGIT_REPEAT_TEST, load_prompts
-from vime.rl.rollout import RolloutConfig, RolloutManager
+from vime.rl.rollout import RolloutManager
 from vime.rl.samples import RolloutBatch
 from vime.rollout.generation import GenerationClient
 from vime.rollout.vllm_engine import VLLMEngine
-
-
-class EvalConfig(StrictModel):
-    """Held-out evaluation in the RL job: greedy, one sample per prompt, the rollout's reward."""
-
-    prompts_path: str | None = Field(
-        None,
-        description=(
-            "JSONL of held-out prompts (e.g. the task's test.jsonl); None: no evaluation. Run "
-            "before the first rollout and after the last sync, through the job's engines."
-        ),
-    )
-    max_tokens: int | None = Field(None, ge=1, description="None: rollout.max_tokens.")
-    timeout_s: float = Field(
-        300.0,
-        gt=0,
-        description=(
-            "Longest one evaluation may take (the other trainer ranks wait meanwhile, so it must "
-            "stay below weight_sync.barrier_timeout_s)."
-        ),
-    )
-
-    def rollout_config(self, rollout: RolloutConfig) -> RolloutConfig:
-        """The rollout settings for one greedy pass over every held-out prompt."""
-        assert self.prompts_path is not None
-        return rollout.model_copy(
-            update={
-                "prompts_path": self.prompts_path,
-                "num_prompts_per_step": len(load_prompts(self.prompts_path)),
-                "num_samples_per_prompt": 1,
-                "temperature": 0.0,
-                "top_p": 1.0,
-                "top_k": -1,
-                "max_tokens": self.max_tokens or rollout.max_tokens,
-                "shuffle_seed": 0,
-            }
-        )
 
 
 def eval_metrics(batch: RolloutBatch) -> dict[str, float]:

@@ -10,57 +10,9 @@ tokens, with `mask` 1 on real response tokens and 0 on padding.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import Field
 
-from vime.config import StrictModel
-
-
-class GRPOConfig(StrictModel):
-    """Policy-loss settings."""
-
-    clip_low: float = Field(0.2, ge=0, description="PPO clip: ratio is kept >= 1 - clip_low.")
-    clip_high: float = Field(0.2, ge=0, description="PPO clip: ratio is kept <= 1 + clip_high.")
-    kl_coef: float = Field(
-        0.0,
-        ge=0,
-        description=(
-            "Weight of the KL penalty to the reference policy (the initial or SFT weights, frozen "
-            "by the trainer); 0 disables it and builds no reference model."
-        ),
-    )
-    kl_estimator: Literal["k1", "k3"] = Field(
-        "k3",
-        description=(
-            "How the KL to the reference enters, with d = ref - train log-prob per sampled token. "
-            "k1: a per-token penalty -kl_coef * (train - ref) on the advantage (detached; the "
-            "KL-in-reward form, whose policy gradient descends KL(train || ref)). k3: a loss term "
-            "kl_coef * (exp(d) - d - 1) (non-negative, low variance; its gradient is that of "
-            "KL(ref || train)). kl_ref logs the estimate's token mean."
-        ),
-    )
-    tis_cap: float | None = Field(
-        None,
-        gt=0,
-        description=(
-            "Truncated importance sampling: weight each token by min(exp(old - rollout logprob), "
-            "tis_cap), old being the trainer's pre-update log-probs; corrects for staleness and "
-            "trainer/engine mismatch. None disables."
-        ),
-    )
-    advantage_eps: float = Field(1e-6, gt=0, description="eps in (r - mean) / (std + eps).")
-    normalize_std: bool = Field(
-        True, description="Divide group-centred rewards by the group std (False: Dr. GRPO style)."
-    )
-    token_level_mean: bool = Field(
-        True,
-        description=(
-            "Average the loss over all response tokens of the batch (True) or per sequence first, "
-            "then over sequences (False)."
-        ),
-    )
+from vime.config import GRPOConfig
 
 
 def kl_estimate(

@@ -6,7 +6,7 @@ prompt record's extra JSONL fields (for the built-in task: `{"digit": "7"}`). Re
 The built-in task (`vime/data/digit_repeat/`): each prompt names a digit; the answer is that digit
 repeated. Random-weight qwen2-tiny scores about 0.07 with digit_match (under 0.01 with the stricter
 digit_run, too sparse to learn from); GRPO at 32 prompts x 8 samples, lr 2e-3, 8 tokens, takes it
-to about 0.4 in 110-150 steps (`python -m vime.rl.learnability`); a solver scores 1.
+to about 0.4 in 110-150 steps; a solver scores 1.
 """
 
 from __future__ import annotations

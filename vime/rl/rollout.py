@@ -30,10 +30,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import Field
-
-from vime.config import StrictModel
-from vime.rl.data import DIGIT_REPEAT_TRAIN, PromptRecord, load_prompts
+from vime.config import RolloutConfig
+from vime.rl.data import PromptRecord, load_prompts, resolve_data_path
 from vime.rl.rewards import RewardFn, load_reward_fn
 from vime.rl.samples import (
     RolloutBatch,
@@ -43,45 +41,6 @@ from vime.rl.samples import (
 from vime.rollout.generation import GenerationClient, GenerationResult, SamplingConfig
 
 logger = logging.getLogger(__name__)
-
-
-class RolloutConfig(StrictModel):
-    """What to generate each RL step and how."""
-
-    prompts_path: str = Field(
-        str(DIGIT_REPEAT_TRAIN),
-        description="JSONL prompt file ({'prompt': ..., ...} per line); default: built-in task.",
-    )
-    reward_fn: str = Field(
-        "vime.rl.rewards:digit_match",
-        description="Dotted path 'module:function' of fn(prompt, completion, metadata) -> float.",
-    )
-    # 32 x 8 (lr 2e-3, 8 tokens) lifts qwen2-tiny on the digit task from 0.07 to 0.4 in 110-150
-    # steps; 16 x 8 is slower and noisier, and at higher lr collapses onto one string for all.
-    num_prompts_per_step: int = Field(32, ge=1, description="Prompts (groups) per batch.")
-    num_samples_per_prompt: int = Field(
-        8, ge=1, description="Samples per prompt: the GRPO group size."
-    )
-    max_tokens: int = Field(8, ge=1, description="Most tokens generated per sample.")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature (1.0: the policy).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1.0 samples the policy.")
-    top_k: int = Field(-1, description="Top-k sampling; -1 samples the policy.")
-    max_in_flight: int | None = Field(
-        None,
-        ge=1,
-        description="Cap on concurrent requests over all engines; None: the whole batch.",
-    )
-    max_aborted_retries: int = Field(
-        3, ge=0, description="Resubmit a request the engine aborted (abort-mode pause) this often."
-    )
-    shuffle_seed: int = Field(0, description="Seed of the per-epoch prompt order.")
-    unlabelled_version: int = Field(
-        0,
-        description=(
-            "Weight version of tokens generated before any labelled weight update (vLLM labels "
-            "them 'default' or None), i.e. on the initial weights."
-        ),
-    )
 
 
 class RolloutManager:
@@ -102,7 +61,9 @@ class RolloutManager:
         self.config = config
         self.client = client
         self.tokenizer = tokenizer
-        self.prompts = list(prompts) if prompts is not None else load_prompts(config.prompts_path)
+        if prompts is None:
+            prompts = load_prompts(resolve_data_path(config.prompts_path))
+        self.prompts = list(prompts)
         self.reward_fn = reward_fn or load_reward_fn(config.reward_fn)
         self._prompt_ids = [tokenizer(p.prompt).input_ids for p in self.prompts]
         self.sampling = SamplingConfig(

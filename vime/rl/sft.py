@@ -9,7 +9,7 @@ Demonstrations are JSONL: `{"prompt": "...", "completion": "..."}` (`python -m v
 writes the digit task's). The loss covers the completion's tokens and the end-of-sequence token,
 tokenized as the engines see them (the prompt as `tokenizer(prompt)`, the completion after it).
 
-    records = load_demonstrations(config.data_path)
+    records = vime.rl.data.load_demonstrations(config.data_path)
     input_ids, loss_mask = sft_batch(records, step, config, tokenizer)
     metrics = trainer.sft_step(input_ids, loss_mask)
 """
@@ -20,39 +20,9 @@ import random
 from typing import Any
 
 import torch
-from pydantic import Field
 
-from vime.config import StrictModel
-from vime.rl.data import PromptRecord, load_prompts
-
-
-class SFTConfig(StrictModel):
-    """The supervised stage before RL; off unless `data_path` is set and `num_steps` > 0."""
-
-    data_path: str | None = Field(
-        None, description="JSONL of demonstrations: prompt and completion per line."
-    )
-    num_steps: int = Field(0, ge=0, description="Supervised optimizer steps before RL.")
-    batch_size: int = Field(32, ge=1, description="Demonstrations per step (all ranks together).")
-    lr: float | None = Field(None, gt=0, description="AdamW learning rate; None: trainer.lr.")
-    seed: int = Field(0, description="Shuffle seed of the demonstrations (one order per epoch).")
-
-    @property
-    def enabled(self) -> bool:
-        return self.data_path is not None and self.num_steps > 0
-
-
-def load_demonstrations(path: str) -> list[PromptRecord]:
-    """Prompt records whose metadata holds a non-empty string `completion`."""
-    records = load_prompts(path)
-    for record in records:
-        completion = record.metadata.get("completion")
-        if not isinstance(completion, str) or not completion:
-            raise ValueError(
-                f"{path}: demonstration {record.id!r} needs a non-empty string field "
-                "'completion' (the answer the model should learn to write)"
-            )
-    return records
+from vime.config import SFTConfig
+from vime.rl.data import PromptRecord
 
 
 def sft_batch(

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
-from vime.cluster.config import ClusterConfig
-from vime.config import EngineConfig
+from vime.config import ClusterConfig, EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class RayEngine:
 
     def kill(self) -> None:
         """End the actor now, even mid-call (its engine's keeper then ends the server, see
-        vime.rollout.keeper): for aborts, when a call in flight may never return."""
+        vime.utils.keeper): for aborts, when a call in flight may never return."""
         import ray
 
         ray.kill(self._actor, no_restart=True)
@@ -93,7 +93,7 @@ def launch_engines(
         cluster,
         job,
         node_address=node_address,
-        runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}},
+        runtime_env={"env_vars": {"PYTHONPATH": _python_path()}},
     )
     actor_cls = ray.remote(VLLMEngine)
     group = place_engines(cluster, job, engine.num_engines)
@@ -120,6 +120,17 @@ def launch_engines(
         for actor, url in zip(actors, urls, strict=True)
     ]
     return engines, urls, infos
+
+
+def _python_path() -> str:
+    """PYTHONPATH for the engine actors: where this vime is imported from (the repository for an
+    editable install), then the caller's own entries, whatever the working directory."""
+    import vime
+
+    here = str(Path(vime.__file__).resolve().parents[1])
+    return os.pathsep.join(
+        [here, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    )
 
 
 def startup_bound(engine: EngineConfig) -> float:

@@ -23,7 +23,8 @@ import requests
 from vime.cluster.addresses import HOST_IP_ENV
 from vime.config import EngineConfig
 from vime.rollout import auth
-from vime.rollout.keeper import KeptProcess, end_group, spawn_kept
+from vime.rollout.cpu_binding import cpu_core_binding, sync_load_cores
+from vime.utils.keeper import KeptProcess, end_group, spawn_kept
 from vime.utils.net import free_port, is_loopback
 from vime.weight_sync.names import LOAD_CORES_ENV
 
@@ -46,40 +47,6 @@ REUSE_FREED_MEMORY_TUNABLES = (
     "glibc.malloc.trim_threshold=68719476736",
     "glibc.malloc.arena_max=1",
 )
-
-
-def cpu_core_binding(rank: int, num_engines: int, tensor_parallel_size: int) -> str | None:
-    """VLLM_CPU_OMP_THREADS_BIND giving each worker of `num_engines` local CPU engines its cores.
-
-    One core list per worker, `|`-separated: the engine's share of this process's cores split
-    evenly between its `tensor_parallel_size` workers (a single engine leaves the last core free
-    when it has more cores than workers). vLLM's "auto" binds every engine to the
-    same cores (all but one), so several engines on one host spin on one core in turn, and
-    refuses a TP > 1 engine on a one-NUMA-node machine. With fewer cores than workers, each
-    worker gets one core, round robin (workers then share cores). None (keep "auto") for one
-    single-worker engine, or single-worker engines outnumbering the cores.
-    """
-    if num_engines <= 1 and tensor_parallel_size <= 1:
-        return None
-    cores = sorted(os.sched_getaffinity(0))
-    if num_engines == 1 and len(cores) > tensor_parallel_size:
-        # As vLLM's "auto" does for one engine: the last core stays free for the API server and
-        # a trainer on the same host (TrainerConfig.cpu_cores "auto" pins it there).
-        cores = cores[:-1]
-    cores_per_engine = len(cores) // num_engines
-    if cores_per_engine < tensor_parallel_size:
-        if tensor_parallel_size == 1:
-            return None
-        first = (rank % num_engines) * tensor_parallel_size
-        return "|".join(
-            str(cores[(first + worker) % len(cores)]) for worker in range(tensor_parallel_size)
-        )
-    mine = cores[(rank % num_engines) * cores_per_engine :][:cores_per_engine]
-    per_worker = cores_per_engine // tensor_parallel_size
-    return "|".join(
-        ",".join(str(core) for core in mine[worker * per_worker : (worker + 1) * per_worker])
-        for worker in range(tensor_parallel_size)
-    )
 
 
 @dataclass(frozen=True)
@@ -220,23 +187,6 @@ def build_server_command(
     return cmd, env
 
 
-def sync_load_cores(setting: str | list[int]) -> list[int]:
-    """engine.cpu_sync_load_cores as CPU ids: 'all' the cores this (launching) process may use,
-    'own' none beyond the worker's (empty), a list as given (each must be one of this process's)."""
-    allowed = sorted(os.sched_getaffinity(0))
-    if setting == "own":
-        return []
-    if isinstance(setting, str):  # "all"
-        return allowed
-    unknown = sorted(set(setting) - set(allowed))
-    if unknown:
-        raise ValueError(
-            f"engine.cpu_sync_load_cores {setting} names cores {unknown} this process may not "
-            f"use (it may use {allowed}): list some of those, or write 'all' or 'own'"
-        )
-    return sorted(set(setting))
-
-
 def _has_cuda() -> bool:
     import torch
 
@@ -253,7 +203,7 @@ def read_log_tail(log_path: Path, num_chars: int = LOG_TAIL_CHARS) -> str:
 
 @dataclass
 class ServerProcess:
-    """A server this process started under a keeper (vime.rollout.keeper); `stop` ends its whole
+    """A server this process started under a keeper (vime.utils.keeper); `stop` ends its whole
     process group. The keeper leads the group, so the group id is the keeper's pid."""
 
     process: KeptProcess | subprocess.Popen  # the keeper
@@ -377,6 +327,9 @@ def check_vllm_server(url: str, *, timeout_s: float, token: str | None = None) -
         )
 
 
+PROGRESS_EVERY_S = 15.0  # how often a wait for /health says it still waits
+
+
 def wait_until_healthy(
     url: str,
     *,
@@ -393,6 +346,7 @@ def wait_until_healthy(
     """
     start = time.monotonic()
     deadline = start + timeout_s
+    next_note = start + PROGRESS_EVERY_S
     last_error = "no answer yet"
     while True:
         if process is not None and process.poll() is not None:
@@ -416,9 +370,19 @@ def wait_until_healthy(
             last_error = f"HTTP {response.status_code}: {response.text[:200]}"
         except requests.RequestException as exc:
             last_error = str(exc)
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if now >= deadline:
             tail = f" Log tail ({log_path}):\n{read_log_tail(log_path)}" if log_path else ""
             raise EngineStartError(
                 f"vLLM server at {url} not healthy after {timeout_s:g} s ({last_error}).{tail}"
             )
+        if now >= next_note:  # a start takes tens of seconds: say that it is under way
+            logger.info(
+                "waiting for the engine at %s: %.0f s of at most %.0f s (log: %s)",
+                url,
+                now - start,
+                timeout_s,
+                log_path,
+            )
+            next_note = now + PROGRESS_EVERY_S
         time.sleep(poll_s)

@@ -3,8 +3,8 @@
 Usable directly or as a Ray actor (`ray.remote(num_cpus=0)(VLLMEngine)`). It either launches a
 server subprocess (and ends only that process group on `shutdown`) or connects to an external URL.
 
-Multi-node engines: only the engine's `node_rank == 0` serves HTTP; on other node ranks every
-control method returns None, so callers can fan out to all of an engine's actors alike.
+An engine spanning several nodes is controlled through its node 0, which serves HTTP (see
+`vime.rollout.server.EngineNodeRole`); give that node's URL.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ class VLLMEngine:
         config: EngineConfig,
         *,
         rank: int = 0,
-        node_rank: int = 0,
         url: str | None = None,
         port: int | None = None,
         log_dir: str | None = None,
@@ -52,7 +51,6 @@ class VLLMEngine:
         engine runs on (else config.host, else the node address; see vime.cluster.addresses)."""
         self.config = config
         self.rank = rank
-        self.node_rank = node_rank
         self._external_url = url
         self._port = port
         self._interface = interface
@@ -99,6 +97,8 @@ class VLLMEngine:
 
     @property
     def url(self) -> str:
+        if self._url is None and self._external_url is not None:
+            return self._external_url.rstrip("/")
         if self._url is None:
             raise RuntimeError(f"engine {self.rank} has no URL yet: call init() first")
         return self._url
@@ -164,8 +164,6 @@ class VLLMEngine:
             self._server = None
 
     def health(self) -> bool:
-        if self.node_rank != 0:
-            return True
         try:
             request_json("GET", f"{self.url}/health", timeout_s=5.0, headers=self.auth_headers())
         except EngineHTTPError:
@@ -183,14 +181,12 @@ class VLLMEngine:
         json: Any = None,
         timeout_s: float | None = None,
     ) -> Any:
-        """Every control call goes through here; None on node ranks that serve no HTTP.
+        """Every control call goes through here.
 
         A fresh connection per call, no pooled session: uvicorn drops idle keep-alive connections
         after 5 s, and a POST sent on such a connection fails with "connection reset" (seen in
         tests); retrying a POST like /pause is not safe, a new loopback connection costs ~0.1 ms.
         """
-        if self.node_rank != 0:
-            return None
         try:
             return request_json(
                 method,
@@ -211,7 +207,7 @@ class VLLMEngine:
 
     # ---- pause / resume --------------------------------------------------------------------
 
-    def pause_generation(self, mode: PauseMode = "keep", clear_cache: bool = False) -> dict | None:
+    def pause_generation(self, mode: PauseMode = "keep", clear_cache: bool = False) -> dict:
         """POST /pause. `keep` freezes every request (none lost); returns once the engine is idle.
 
         With clear_cache=True the engine preempts paused requests and frees their KV: they
@@ -225,25 +221,22 @@ class VLLMEngine:
             params={"mode": mode, "clear_cache": "true" if clear_cache else "false"},
         )
 
-    def continue_generation(self) -> dict | None:
+    def continue_generation(self) -> dict:
         """POST /resume: requests frozen by a keep pause continue generating."""
         return self._call("POST", "/resume")
 
-    def is_paused(self) -> bool | None:
-        body = self._call("GET", "/is_paused")
-        return None if body is None else bool(body["is_paused"])
+    def is_paused(self) -> bool:
+        return bool(self._call("GET", "/is_paused")["is_paused"])
 
     def flush_cache(
         self, timeout_s: float = 30.0, poll_s: float = 0.05, raise_on_timeout: bool = True
-    ) -> bool | None:
+    ) -> bool:
         """POST /reset_prefix_cache until it succeeds; FlushCacheError after `timeout_s`.
 
         vLLM answers success=false while requests hold KV blocks (e.g. after a keep pause with
         clear_cache=false, the frozen requests keep theirs); the reset then cannot happen.
         With raise_on_timeout=False, False is returned instead of raising.
         """
-        if self.node_rank != 0:
-            return None
         deadline = time.monotonic() + timeout_s
         attempts = 0
         while True:
@@ -265,39 +258,37 @@ class VLLMEngine:
 
     # ---- weight-update lifecycle ---------------------------------------------------------
 
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> dict | None:
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> dict:
         """POST /init_weight_transfer_engine {"init_info": ...} (backend-specific fields)."""
         return self._call("POST", "/init_weight_transfer_engine", json={"init_info": init_info})
 
-    def start_weight_update(self) -> dict | None:
+    def start_weight_update(self) -> dict:
         """POST /start_weight_update. A second start without finish is an error in vLLM."""
         return self._call("POST", "/start_weight_update")
 
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> dict | None:
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> dict:
         """POST /update_weights {"update_info": one dict, or one per worker}."""
         return self._call("POST", "/update_weights", json={"update_info": update_info})
 
-    def finish_weight_update(self, weight_version: str | int | None = None) -> dict | None:
+    def finish_weight_update(self, weight_version: str | int | None = None) -> dict:
         """POST /finish_weight_update; tokens generated afterwards carry `weight_version`."""
         version = None if weight_version is None else str(weight_version)
         return self._call("POST", "/finish_weight_update", json={"weight_version": version})
 
-    def get_weight_version(self) -> str | None:
+    def get_weight_version(self) -> str:
         body = self._call("GET", "/weight_info")
-        return None if body is None else body["weight_version"]
+        return body["weight_version"]
 
-    def update_weight_version(self, weight_version: str | int) -> dict | None:
+    def update_weight_version(self, weight_version: str | int) -> dict:
         return self._call(
             "POST", "/update_weight_version", json={"new_version": str(weight_version)}
         )
 
-    def transfer_layout(self) -> dict[str, Any] | None:
+    def transfer_layout(self) -> dict[str, Any]:
         """What the engine was started with, from GET /server_info (dev mode): its
         weight-transfer backend (None without --weight-transfer-config) and its workers
         (tensor x pipeline x data parallel), as the weight sync must see them."""
         body = self._call("GET", "/server_info", params={"config_format": "json"})
-        if body is None:
-            return None
         config = body["vllm_config"]
         parallel = config.get("parallel_config") or {}
         transfer = config.get("weight_transfer_config") or {}
@@ -308,19 +299,19 @@ class VLLMEngine:
             * int(parallel.get("data_parallel_size", 1)),
         }
 
-    def get_world_size(self, include_dp: bool = True) -> int | None:
+    def get_world_size(self, include_dp: bool = True) -> int:
         body = self._call(
             "GET", "/get_world_size", params={"include_dp": "true" if include_dp else "false"}
         )
-        return None if body is None else int(body["world_size"])
+        return int(body["world_size"])
 
     def collective_rpc(
         self, method: str, args: list[str] | None = None, kwargs: dict[str, str] | None = None
-    ) -> list[Any] | None:
+    ) -> list[Any]:
         """POST /collective_rpc: call a worker-extension method on every worker."""
         body = self._call(
             "POST",
             "/collective_rpc",
             json={"method": method, "args": args or [], "kwargs": kwargs or {}},
         )
-        return None if body is None else body.get("results")
+        return body.get("results") or []

@@ -67,10 +67,13 @@ class SyncReport:
 
 
 def describe_engine(index: int, engine: Any) -> str:
-    # Read the instance's own fields: a RayEngine forwards unknown attributes to its actor.
-    fields = getattr(engine, "__dict__", {})
-    url = fields.get("url") or fields.get("_url") or fields.get("_external_url")
-    return f"engine {index}" + (f" ({url})" if url else "")
+    """ "engine <index> (<url>)": every engine handle (VLLMEngine, RayEngine) has a `url`, which
+    a VLLMEngine that never started refuses to give."""
+    try:
+        url = engine.url
+    except (AttributeError, RuntimeError):
+        url = None
+    return f"engine {index}" + (f" ({url})" if isinstance(url, str) else "")
 
 
 def call_engines(
@@ -182,14 +185,16 @@ def run_sync_session(
             step("verify", verify)
         step("resume", control.resume)
 
+    # Rank 0 tells every sync once; the other ranks' view of it is detail.
+    level = logging.INFO if rank == 0 else logging.DEBUG
     if report.prefix_cache_flushed is False:
-        logger.warning(
-            "weight version %d: prefix caches not flushed (clear_cache=%s with requests in "
-            "flight); new requests may reuse prefixes computed by the old weights",
+        # Expected with clear_cache=False and requests in flight (the job counts it per step).
+        logger.debug(
+            "weight version %d: prefix caches not flushed (requests in flight hold KV blocks)",
             weight_version,
-            clear_cache,
         )
-    logger.info(
+    logger.log(
+        level,
         "weight version %d synced in %.3f s (%s)",
         weight_version,
         report.total_s,

@@ -51,40 +51,13 @@ from vime.weight_sync.session import (
 )
 from vime.weight_sync.shards import Shard, WorkerLayout, worker_layout
 from vime.weight_sync.transports import SenderPlace, Transport, make_transport
+from vime.weight_sync.transports.ipc import check_ipc_placement
 
 logger = logging.getLogger(__name__)
 
 
 # What one engine worker serves of a tensor: its dtype name and its slice (None: all of it).
 Served = tuple[str, Shard | None]
-
-
-def check_ipc_placement(
-    sender_gpus: Sequence[str], worker_gpus: Sequence[str | None], engine: int
-) -> None:
-    """ValueError unless every worker of `engine` sits on the GPU of every stage's sender.
-
-    Each stage's one sender exports its staging buffer on its own GPU and keys the handle by that
-    GPU's UUID; vLLM's IPC consumer opens only the handle of its worker's GPU, so a worker
-    elsewhere would fail in the middle of a sync. (Several GPUs need every colocated rank to hold
-    and export each bucket, as vLLM's IPC trainer engine does: not in vime.)
-    """
-    if not sender_gpus:
-        raise ValueError("weight_sync.transport ipc needs the trainer's senders on a GPU")
-    for worker, gpu in enumerate(worker_gpus):
-        if gpu is None:
-            raise ValueError(
-                f"engine {engine} worker {worker} runs on the CPU: weight_sync.transport ipc "
-                "needs engines on the trainer's GPU (use shm on CPU)"
-            )
-        away = sorted({s for s in sender_gpus if s != gpu})
-        if away:
-            raise ValueError(
-                f"engine {engine} worker {worker} is on GPU {gpu}, the sender of a pipeline "
-                f"stage on {away[0]}: vime's ipc transport sends each stage from one GPU and "
-                "reaches only engine workers on that GPU; use transport nccl, or put the "
-                "engines and every stage's sender on one GPU"
-            )
 
 
 def _digest(tensor: torch.Tensor, dtype: str, shard: Shard | None) -> str:
@@ -281,7 +254,8 @@ class WeightUpdater:
         step = CheckedSteps(self.sync_group, self.config.barrier_timeout_s, {}, "weight sync")
         for stage in range(self.topology.pp_size):  # stages take turns, as in a sync
             step("connect", join if stage == self.topology.pp_rank else None, f"pp stage {stage}")
-        logger.info(
+        logger.log(
+            logging.INFO if dist.get_rank(self.sync_group) == 0 else logging.DEBUG,
             "weight sync (%s, %s) connected to %d engines%s",
             self.shape,
             self.config.transport.kind,
@@ -408,4 +382,4 @@ class WeightUpdater:
                     )
 
         call_engines(self.engines, "verify", compare, timeout_s=self.config.transfer_timeout_s)
-        logger.info("verified %d tensors on %d engines", len(sent), len(self.engines))
+        logger.debug("verified %d tensors on %d engines", len(sent), len(self.engines))

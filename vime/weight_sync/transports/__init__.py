@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from vime.cluster.addresses import node_address
 from vime.config import (
+    TRANSPORT_KINDS,
     BroadcastTransportConfig,
     GlooTransportConfig,
     IpcTransportConfig,
@@ -97,6 +98,7 @@ TRANSPORTS: dict[str, Callable[..., Transport]] = {
     "shm": _shm,
     "ipc": _ipc,
 }
+assert set(TRANSPORTS) == set(TRANSPORT_KINDS), "every config transport kind needs a builder"
 
 
 def make_transport(config: TransportConfig, place: SenderPlace) -> Transport:

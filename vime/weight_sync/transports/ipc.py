@@ -86,3 +86,31 @@ class IpcTransport(Transport):
         self._buffer = None
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
+
+
+def check_ipc_placement(
+    sender_gpus: Sequence[str], worker_gpus: Sequence[str | None], engine: int
+) -> None:
+    """ValueError unless every worker of `engine` sits on the GPU of every stage's sender.
+
+    Each stage's one sender exports its staging buffer on its own GPU and keys the handle by that
+    GPU's UUID; vLLM's IPC consumer opens only the handle of its worker's GPU, so a worker
+    elsewhere would fail in the middle of a sync. (Several GPUs need every colocated rank to hold
+    and export each bucket, as vLLM's IPC trainer engine does: not in vime.)
+    """
+    if not sender_gpus:
+        raise ValueError("weight_sync.transport ipc needs the trainer's senders on a GPU")
+    for worker, gpu in enumerate(worker_gpus):
+        if gpu is None:
+            raise ValueError(
+                f"engine {engine} worker {worker} runs on the CPU: weight_sync.transport ipc "
+                "needs engines on the trainer's GPU (use shm on CPU)"
+            )
+        away = sorted({s for s in sender_gpus if s != gpu})
+        if away:
+            raise ValueError(
+                f"engine {engine} worker {worker} is on GPU {gpu}, the sender of a pipeline "
+                f"stage on {away[0]}: vime's ipc transport sends each stage from one GPU and "
+                "reaches only engine workers on that GPU; use transport nccl, or put the "
+                "engines and every stage's sender on one GPU"
+            )

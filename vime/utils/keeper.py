@@ -1,6 +1,6 @@
 """The keeper: a small process that leads an engine's process group and ends all of it.
 
-    python -m vime.rollout.keeper [--grace-s S] -- python -m vllm.entrypoints.openai.api_server ...
+    python -m vime.utils.keeper [--grace-s S] -- python -m vllm.entrypoints.openai.api_server ...
 
 `launch_server` starts the keeper in a new session; the keeper starts the vLLM server as its child
 in the same process group and watches, every POLL_S:
@@ -195,7 +195,7 @@ def spawn_kept(
     """
     read_end, write_end = os.pipe()
     temp_dir = tempfile.mkdtemp(prefix="vime-engine-tmp-")
-    keeper = [sys.executable, "-m", "vime.rollout.keeper", "--owner", str(os.getpid())]
+    keeper = [sys.executable, "-m", "vime.utils.keeper", "--owner", str(os.getpid())]
     keeper += ["--temp-dir", temp_dir]
     if remove_dir:
         keeper += ["--remove-dir", remove_dir]

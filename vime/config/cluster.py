@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from vime.config import StrictModel
+from vime.config.base import StrictModel
 
 # Ray 2.60 starts its workers on ports 10002-19999; a GCS port inside that range can be taken.
 RAY_WORKER_PORT_RANGE = (10002, 19999)

@@ -1,0 +1,136 @@
+"""The `weight_sync:` section: the transport (one switch, a discriminated union) and the session."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal, get_args
+
+from pydantic import Field, model_validator
+
+from vime.config.base import StrictModel
+
+TransportKind = Literal["gloo", "nccl", "shm", "ipc"]
+
+
+def _check_port_range(port_range: tuple[int, int] | None) -> None:
+    if port_range is not None:
+        low, high = port_range
+        if not 1024 <= low <= high <= 65535:
+            raise ValueError(
+                f"master_port_range={list(port_range)}: give [low, high] with "
+                "1024 <= low <= high <= 65535"
+            )
+
+
+class BroadcastTransportConfig(StrictModel):
+    """A broadcast group per pipeline stage: the stage's sender is rank 0, engine workers follow."""
+
+    shape: ClassVar[str] = "distributed"  # the seed's UpdateWeightFromDistributed
+
+    master_address: str | None = Field(
+        None,
+        description=(
+            "Address each pp sender's rendezvous listens on, which every engine worker must reach. "
+            "None: the sender's node address (cluster.node_address, $VIME_HOST_IP, "
+            "cluster.interface, Slurm's NodeAddr, else 127.0.0.1)."
+        ),
+    )
+    master_port_range: tuple[int, int] | None = Field(
+        None,
+        description=(
+            "Inclusive port range for the senders' rendezvous (open it in the firewall between "
+            "trainer and engine nodes); None: any free port."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check_ports(self) -> BroadcastTransportConfig:
+        _check_port_range(self.master_port_range)
+        return self
+
+
+class GlooTransportConfig(BroadcastTransportConfig):
+    """CPU, engines reachable by TCP: broadcast over gloo (vime's `gloo` engine backend)."""
+
+    kind: Literal["gloo"] = "gloo"
+
+
+class NcclTransportConfig(BroadcastTransportConfig):
+    """GPU, engines on other GPUs: broadcast over NCCL (vLLM's `nccl` engine backend)."""
+
+    kind: Literal["nccl"] = "nccl"
+
+
+class ShmTransportConfig(StrictModel):
+    """CPU, colocated: the engines map the POSIX shared-memory segments the senders wrote."""
+
+    shape: ClassVar[str] = "tensor"  # the seed's UpdateWeightFromTensor
+    kind: Literal["shm"] = "shm"
+
+
+class IpcTransportConfig(StrictModel):
+    """GPU, colocated: CUDA IPC handles of the senders' buffers (vLLM's `ipc` engine backend)."""
+
+    shape: ClassVar[str] = "tensor"  # the seed's UpdateWeightFromTensor
+    kind: Literal["ipc"] = "ipc"
+
+
+TransportConfig = Annotated[
+    GlooTransportConfig | NcclTransportConfig | ShmTransportConfig | IpcTransportConfig,
+    Field(discriminator="kind"),
+]
+
+# The transport of every union member above, as vime's engine backends (gloo, shm) and vLLM's
+# (nccl, ipc) name them; the engine's weight_transfer_backend takes the same values.
+TRANSPORT_KINDS: tuple[str, ...] = get_args(TransportKind)
+assert {cls.model_fields["kind"].default for cls in get_args(get_args(TransportConfig)[0])} == set(
+    TRANSPORT_KINDS
+), "a transport config without its kind in TransportKind"
+
+
+class WeightSyncConfig(StrictModel):
+    """How trainer ranks push weights into the rollout engines after each optimizer step."""
+
+    transport: TransportConfig = Field(
+        default_factory=GlooTransportConfig,
+        description=(
+            "The one switch of a weight sync: `{kind: gloo|nccl|shm|ipc, ...}` or just the kind. "
+            "It sets the engines' --weight-transfer-config backend and the updater's shape: "
+            "gloo (CPU) / nccl (GPU) broadcast from each pipeline stage's sender to every engine "
+            "worker; shm (CPU) / ipc (GPU) hand colocated engines the senders' buffers."
+        ),
+    )
+    update_weight_buffer_size: int = Field(
+        512 * 1024**2,
+        gt=0,
+        description="Cap of one bucket in bytes (a tensor larger than this gets a bucket alone).",
+    )
+    clear_cache_on_pause: bool = Field(
+        False,
+        description=(
+            "clear_cache for the keep pause. True: in-flight requests re-prefill on the new "
+            "weights. False: they keep KV from the old weights and the prefix cache cannot be "
+            "flushed while they hold it (reported as prefix_cache_flushed=False)."
+        ),
+    )
+    barrier_timeout_s: float = Field(
+        600.0, gt=0, description="Timeout of every barrier between trainer ranks in a sync."
+    )
+    transfer_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Timeout of each engine call and of each bucket transfer in a sync.",
+    )
+    verify_checksums: bool = Field(
+        False,
+        description=(
+            "After each sync, compare the engine's per-tensor sha256 with the sent tensors' "
+            "(slow for big models: the engine reads back every weight)."
+        ),
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_kind_alone(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("transport"), str):
+            data = {**data, "transport": {"kind": data["transport"]}}
+        return data

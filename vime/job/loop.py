@@ -1,0 +1,95 @@
+"""The RL loop, as the algorithm reads.
+
+Async (`loop: async`, one-off pipelining): batch k+1 is submitted to the engines before batch k
+trains, so the engines generate while the trainer trains; the sync after step k pauses them with
+`keep`, and the requests of batch k+1 in flight continue on the new weights (each token records
+the version that produced it). `loop: sync` generates, trains and syncs one after the other.
+Every rank runs these lines; only rank 0 has rollouts (the others get each batch by broadcast).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vime.config import TrainConfig
+from vime.job.faults import FaultTolerance, broadcast_object
+from vime.job.report import Reporter
+from vime.job.stages import Evaluator, supervised_stage
+from vime.megatron.checkpoint import TrainingState, save_checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    """What the loop works with, built by `vime.job.run`; rank-0-only parts are None elsewhere."""
+
+    config: TrainConfig
+    rank: int
+    run_dir: Path
+    trainer: Any  # vime.trainer.MegatronTrainer
+    sync: Any  # vime.plugin.WeightSync
+    faults: FaultTolerance
+    tokenizer: Any
+    pad_id: int
+    start_step: int
+    resumed: bool
+    rollouts: Any  # rank 0: vime.rl.rollout.RolloutThread
+    evaluate: Evaluator
+    report: Reporter
+    recovery_metrics: Any = None  # rank 0 with fault tolerance: () -> dict
+
+    def submit(self, step: int) -> Any:
+        """Rank 0: start generating step `step`'s batch (None elsewhere)."""
+        return self.rollouts.submit(step) if self.rollouts is not None else None
+
+
+def run_loop(job: Job) -> dict[str, Any]:
+    """Evaluate, warm start (SFT), then generate -> train -> sync for every step; evaluate."""
+    config, sync = job.config, job.sync
+    summary: dict[str, Any] = {}
+    job.evaluate("resumed" if job.resumed else "before", job.start_step, sync.weight_version)
+    if config.sft.enabled and not job.resumed:
+        summary["sft"] = supervised_stage(config, job.trainer, job.tokenizer, job.run_dir, job.rank)
+        job.faults.update_weights()
+        job.evaluate("after_sft", job.start_step, sync.weight_version)
+    pipelined = config.loop == "async"
+    pending = job.submit(job.start_step) if pipelined else None
+    for step in range(job.start_step, config.num_steps):
+        if pending is None:
+            pending = job.submit(step)
+        batch = job.faults.until_batch(pending)  # engines that failed meanwhile recover first
+        last = step + 1 == config.num_steps
+        pending = job.submit(step + 1) if pipelined and not last else None  # one-off pipelining
+        if job.rank == 0 and config.save_rollouts:
+            batch.write_jsonl(job.run_dir / "rollouts.jsonl", sync.weight_version)
+        packed = broadcast_object(batch.pack(job.pad_id) if job.rank == 0 else None, sync.group)
+        train_start = time.time()
+        train = job.trainer.train_step(packed, weight_version=sync.weight_version)
+        train_end = time.time()
+        report = job.faults.update_weights()
+        extra = job.recovery_metrics() if job.recovery_metrics else {}
+        extra["train/param_fingerprint"] = job.trainer.param_fingerprint()
+        job.report.step(
+            step,
+            batch=batch,
+            train=train,
+            sync=report,
+            weight_version=sync.weight_version,
+            train_span=(train_start, train_end),
+            extra=extra,
+        )
+        if config.checkpoint.due(step + 1, config.num_steps):
+            state = TrainingState(next_step=step + 1, weight_version=sync.weight_version)
+            root = config.checkpoint.root(job.run_dir)
+            save_checkpoint(job.trainer, root, state, keep=config.checkpoint.keep)
+    try:
+        job.evaluate("after", config.num_steps, sync.weight_version)
+    except Exception as exc:  # noqa: BLE001 (training and its checkpoint are done: report it)
+        logger.error("held-out eval after training failed: %s", exc)
+        job.evaluate.results["after_error"] = str(exc)
+    return summary

@@ -1,0 +1,76 @@
+"""Everything a config names, resolved and checked before any process group, Ray or engine starts.
+
+    config = preflight(load_config(TrainConfig, path, overrides))   # ValueError names the field
+
+A mistake found after a 30-60 s engine start wastes that start on every rank; here it costs
+milliseconds. Checked: the HF checkpoint (unless model.preset builds one), every data file (read
+and validated), the reward function (imported), the resume checkpoint, SFT's batch against its
+demonstrations. Relative data paths are resolved from the working directory, else from vime's
+package data, and written back absolute, so the resolved config (run_dir/config.resolved.json)
+and every rank read the same files from any directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vime.config import TrainConfig
+from vime.rl.data import load_demonstrations, load_prompts, resolve_data_path
+from vime.rl.rewards import load_reward_fn
+
+
+def _field_error(field: str, value: object, problem: str) -> ValueError:
+    return ValueError(f"{field}={value!r}: {problem}")
+
+
+def _data_file(field: str, value: str, load=load_prompts) -> tuple[str, int]:
+    """The file's absolute path and its number of records; ValueError naming `field`."""
+    try:
+        path = resolve_data_path(value)
+        return str(path), len(load(str(path)))
+    except ValueError as exc:
+        raise _field_error(field, value, str(exc)) from None
+
+
+def check_checkpoint(config: TrainConfig) -> None:
+    """The trainer and the tokenizer read engine.model_path: it must be an HF checkpoint directory,
+    unless model.preset builds one there."""
+    path = Path(config.engine.model_path)
+    if config.model.preset is None and not (path / "config.json").is_file():
+        what = "has no config.json" if path.is_dir() else "does not exist"
+        raise _field_error(
+            "engine.model_path",
+            config.engine.model_path,
+            f"{what}: give the directory of an HF checkpoint (config.json, safetensors, "
+            "tokenizer), or set model.preset to build a tiny one there",
+        )
+
+
+def preflight(config: TrainConfig) -> TrainConfig:
+    """`config` with its data paths resolved; ValueError naming the first bad field."""
+    check_checkpoint(config)
+    rollout, _ = _data_file("rollout.prompts_path", config.rollout.prompts_path)
+    try:
+        load_reward_fn(config.rollout.reward_fn)
+    except ValueError as exc:
+        raise _field_error("rollout.reward_fn", config.rollout.reward_fn, str(exc)) from None
+    updates: dict[str, object] = {
+        "rollout": config.rollout.model_copy(update={"prompts_path": rollout})
+    }
+    if config.eval.prompts_path is not None:
+        held_out, _ = _data_file("eval.prompts_path", config.eval.prompts_path)
+        updates["eval"] = config.eval.model_copy(update={"prompts_path": held_out})
+    if config.sft.data_path is not None:
+        demos, count = _data_file("sft.data_path", config.sft.data_path, load_demonstrations)
+        if config.sft.enabled and count < config.sft.batch_size:
+            raise _field_error(
+                "sft.batch_size",
+                config.sft.batch_size,
+                f"exceeds the {count} demonstrations in {demos}: lower it, or give more",
+            )
+        updates["sft"] = config.sft.model_copy(update={"data_path": demos})
+    try:
+        config.checkpoint.resume_path(config.run_dir)
+    except ValueError as exc:
+        raise _field_error("checkpoint.resume", config.checkpoint.resume, str(exc)) from None
+    return config.model_copy(update=updates)
