@@ -58,7 +58,7 @@ def run_job(config: str, tmp_path: Path, model_dir: Path, *overrides: str, nproc
 
 
 def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny_model_dir):
-    """The README's main job (SFT warm start, then async GRPO), shortened."""
+    """The README's main job (SFT warm start, then async GRPO), shortened, with delta syncs."""
     num_steps, sft_steps = 4, 10
     run_dir, rows = run_job(
         "tiny_cpu_sft_rl.yaml",
@@ -67,6 +67,7 @@ def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny
         f"num_steps={num_steps}",
         f"sft.num_steps={sft_steps}",
         "weight_sync.verify_checksums=true",
+        "weight_sync.transport={kind: shm, delta: true}",
         "rollout.num_prompts_per_step=4",
         "rollout.num_samples_per_prompt=4",
     )
@@ -79,6 +80,12 @@ def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny
     # The engine's version advances once per step and its weights equal the trainer's each time.
     assert [m["sync/weight_version"] for m in metrics] == list(range(2, num_steps + 2))
     assert all(m["sync/verified"] == 1.0 for m in metrics)
+    # The SFT weights went in full (the engine's baseline), every RL step as a delta: exact all
+    # the same (checksums), and the rows of tokens no sample used stay unchanged (AdamW moves no
+    # element whose gradient and moments are zero).
+    assert all(m["sync/delta"] == 1.0 for m in metrics)
+    assert all(0.0 < m["sync/changed_fraction"] < 1.0 for m in metrics)
+    assert all(m["sync/bytes"] < m["sync/full_bytes"] for m in metrics)
     # The online proof that sync is exact: tokens sampled by the weights the trainer holds get the
     # same log-prob in the trainer as in the engine (fp32, same kernels up to reduction order).
     same = [

@@ -25,8 +25,10 @@ from weight_sync_harness import (
     SyncStep,
     assert_continues_like_a_fresh_model,
     assert_synced,
+    load_sync_records,
     run_sync_job,
     running_engines,
+    served_differences,
 )
 
 from vime.config import EngineConfig
@@ -125,6 +127,107 @@ def pp2_run(servers, model_dir, model_builder, tmp_path_factory):
     )
     job = SyncJob(model_dir=model_dir, pp=2, steps=steps)
     return run_sync_job(job, 2, tmp_path_factory.mktemp("pp2"))
+
+
+@pytest.fixture(scope="module")
+def delta_run(servers, model_dir, tmp_path_factory):
+    """Delta syncs (TP1 trainer) over gloo (A) and shm (B): full first, then only what changed,
+    then everything changed (dense fallback); a delta broken after its first bucket with a
+    request in flight (repaired in full before the engine resumes), a reconnect (full again)."""
+    a, b = (servers["A"],), (servers["B"],)
+    sparse = 0.01  # of every parameter's elements the step changes
+    steps = (
+        SyncStep("gloo", a, version=40, delta=True),
+        SyncStep("gloo", a, version=41, delta=True, changed_fraction=sparse),
+        SyncStep("gloo", a, version=42, delta=True),
+        SyncStep("shm", b, version=40, delta=True),
+        SyncStep("shm", b, version=41, delta=True, changed_fraction=sparse),
+        SyncStep(
+            "shm",
+            b,
+            version=42,
+            delta=True,
+            changed_fraction=0.3,
+            fail_in_send=True,
+            inflight=True,
+        ),  # fmt: skip
+        SyncStep("shm", b, version=43, delta=True, changed_fraction=sparse, reconnect=True),
+        SyncStep("shm", b, version=44, delta=True, changed_fraction=sparse),
+    )
+    job = SyncJob(model_dir=model_dir, steps=steps)
+    return run_sync_job(job, 1, tmp_path_factory.mktemp("delta"))
+
+
+def test_delta_syncs_serve_exact_weights_and_send_only_what_changed(delta_run, hf, checkpoint):
+    records, exported = delta_run
+    for index, record in enumerate(records):
+        assert_synced(record, exported[index], hf, checkpoint)
+    reports = [record["report"] for record in records]
+    assert [r.delta for r in reports] == [
+        "full", "delta", "delta", "full", "delta", "full", "full", "delta"
+    ]  # fmt: skip
+    full_bytes = reports[0].num_bytes
+    for index in (1, 4, 7):  # 1% of the elements changed: indices and values of those
+        report = reports[index]
+        assert 0.005 < report.changed_fraction < 0.02, report.changed_fraction
+        assert report.full_bytes == full_bytes
+        assert report.num_bytes < 0.1 * full_bytes, (index, report.num_bytes, full_bytes)
+    # Every element changed: each tensor goes whole (cheaper than indices + values).
+    assert reports[2].changed_fraction == 1.0
+    assert 0.95 * full_bytes <= reports[2].num_bytes <= 1.05 * full_bytes
+
+
+def test_delta_broken_after_its_first_bucket_is_repaired_before_generation_resumes(delta_run):
+    records, _ = delta_run
+    record = records[5]
+    assert "error" not in record, record.get("error")
+    assert record["report"].repaired and record["report"].delta == "full"
+    # The request in flight across the failed delta and its repair saw whole versions only:
+    # the previous one, then the repaired one (never a "-failed" label, never a mix).
+    versions = record["inflight"]["weight_versions"]
+    assert set(versions) <= {"41", "42"} and versions[-1] == "42", versions
+    # After a reconnect (a restarted engine keeps no baseline) the sync is full again.
+    assert records[6]["report"].delta == "full"
+
+
+def test_sender_killed_mid_delta_leaves_the_previous_weights_then_a_full_sync(
+    servers, model_dir, hf, checkpoint, tmp_path_factory
+):
+    """The trainer's only rank dies (SIGKILL) while sending a delta (after its first bucket):
+    the engine, left paused, holds the previous version whole; the next trainer's first sync
+    is full, exact, and resumes it."""
+    a = (servers["A"],)
+    first = SyncJob(
+        model_dir=model_dir,
+        steps=(
+            SyncStep("gloo", a, version=50, delta=True),
+            SyncStep("gloo", a, version=51, delta=True, changed_fraction=0.3, kill_in_send=True),
+        ),
+    )
+    out = tmp_path_factory.mktemp("delta-kill")
+    with pytest.raises(RuntimeError, match="sync job failed"):
+        run_sync_job(first, 1, out)
+    (record,), (weights,) = load_sync_records(out, 1)
+    engine = VLLMEngine(EngineConfig(model_path=model_dir, auth_token=TOKEN), url=servers["A"])
+    engine.init()
+    assert engine.is_paused()
+    # What the next trainer's connect does first: end the update the dead one left open (or,
+    # had the engine been receiving, wait for its receive to fail, which ends it).
+    engine.collective_rpc("vime_end_open_update")
+    served = {
+        "metadata": engine.collective_rpc("vime_weight_metadata"),
+        "checksums": engine.collective_rpc("vime_weight_checksums"),
+    }
+    assert served_differences(served, weights) == []  # version 50, whole
+    assert engine.get_weight_version() == "50"
+    second = SyncJob(
+        model_dir=model_dir,
+        steps=(SyncStep("gloo", a, version=52, delta=True, changed_fraction=0.01),),
+    )
+    (record,), (weights,) = run_sync_job(second, 1, tmp_path_factory.mktemp("delta-after-kill"))
+    assert record["report"].delta == "full"
+    assert_synced(record, weights, hf, checkpoint)
+    assert not record["engines"][0]["is_paused"]
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,8 @@ The test process asserts on those files.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 import traceback
@@ -47,7 +49,11 @@ class SyncStep:
     expect_error: bool = False  # connect() must raise; nothing is synced
     # The last stage's model gets a parameter no converter maps, for this step only.
     extra_param: bool = False
+    delta: bool = False  # weight_sync.transport.delta
+    changed_fraction: float = 1.0  # of every parameter's elements the step's SGD changes
+    reconnect: bool = False  # the updater reconnects first (as after an engine restart)
     fail_in_send: bool = False  # the pp sender of the last stage raises after its first bucket
+    kill_in_send: bool = False  # ... or kills itself (SIGKILL) there: the job dies mid-sync
     bucket_bytes: int = 200_000
 
 
@@ -60,8 +66,9 @@ class SyncJob:
     steps: tuple[SyncStep, ...] = field(default=())
 
 
-def perturb(model, topology, optimizer, step: int) -> None:
-    """One real SGD step on a loss whose gradient is a fixed random tensor per parameter.
+def perturb(model, topology, optimizer, step: int, fraction: float = 1.0) -> None:
+    """One real SGD step on a loss whose gradient is a fixed random tensor per parameter, zero
+    outside a random `fraction` of its elements (so only those change).
 
     Replicated parameters get the same gradient on every TP rank; TP shards get their own.
     """
@@ -73,7 +80,10 @@ def perturb(model, topology, optimizer, step: int) -> None:
     for local_name, param in model.named_parameters():
         shard = topology.tp_rank if getattr(param, "tensor_model_parallel", False) else 0
         seed = zlib.crc32(f"{names[local_name]}|{shard}|{step}".encode())
-        direction = torch.randn(param.shape, generator=torch.Generator().manual_seed(seed))
+        generator = torch.Generator().manual_seed(seed)
+        direction = torch.randn(param.shape, generator=generator)
+        if fraction < 1.0:
+            direction *= torch.rand(param.shape, generator=generator) < fraction
         loss = loss + (param.float() * direction).sum()
     loss.backward()
     optimizer.step()
@@ -188,9 +198,9 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
         model, converter, optimizer = model_for(model_dir, step.model_dtype or job.dtype)
         record: dict = {"step": step}
         if not step.expect_error:
-            perturb(model, topology, optimizer, index)
+            perturb(model, topology, optimizer, index, step.changed_fraction)
         engine_config = EngineConfig(model_path=model_dir, request_timeout_s=60, auth_token=TOKEN)
-        key = (step.transport, step.engine_urls, step.clear_cache, model_dir)
+        key = (step.transport, step.engine_urls, step.clear_cache, model_dir, step.delta)
         extra = None
         if step.extra_param and topology.pp_rank == topology.pp_size - 1:
             extra = model.decoder.layers[-1].mlp
@@ -202,7 +212,7 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
                 engine.init()
                 engines.append(engine)
             config = WeightSyncConfig(
-                transport=step.transport,
+                transport={"kind": step.transport, "delta": step.delta},
                 update_weight_buffer_size=step.bucket_bytes,
                 clear_cache_on_pause=step.clear_cache,
                 verify_checksums=True,
@@ -233,8 +243,12 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
             updater.connect()
             updaters[key] = updater
         updater = updaters[key]
-        if step.fail_in_send and updater.is_sender and topology.pp_rank == topology.pp_size - 1:
-            _break_after_first_bucket(updater)
+        if step.reconnect:
+            updater.close()
+            updater.connect()
+        last_sender = updater.is_sender and topology.pp_rank == topology.pp_size - 1
+        if (step.fail_in_send or step.kill_in_send) and last_sender:
+            _break_after_first_bucket(updater, kill=step.kill_in_send)
         inflight = None
         if rank == 0 and step.inflight:
             inflight = InflightRequest(step.engine_urls[0])
@@ -274,13 +288,15 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
     dist.destroy_process_group()
 
 
-def _break_after_first_bucket(updater) -> None:
+def _break_after_first_bucket(updater, kill: bool = False) -> None:
     transport = updater.transport
     original = transport.send_buckets
 
     def send_buckets(buckets, fill, update_calls):
         def failing_fill(bucket, buffer):
             if bucket.index >= 1:
+                if kill:  # the engines have bucket 0 and wait for bucket 1 from a dead sender
+                    os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError("injected failure while packing bucket 1")
             fill(bucket, buffer)
 
@@ -358,8 +374,13 @@ def run_sync_job(job: SyncJob, world_size: int, out_dir: Path, *, timeout_s: flo
     except BaseException:
         errors = "\n".join(p.read_text() for p in sorted(out_dir.glob("rank*-error.txt")))
         raise RuntimeError(f"sync job failed:\n{errors}") from None
+    return load_sync_records(out_dir, len(job.steps))
+
+
+def load_sync_records(out_dir: Path, num_steps: int):
+    """(records, exported HF weights) of a sync job's first `num_steps` steps."""
     records, exported = [], []
-    for index in range(len(job.steps)):
+    for index in range(num_steps):
         records.append(torch.load(out_dir / f"step{index}-record.pt", weights_only=False))
         weights: dict = {}
         for part in sorted(out_dir.glob(f"step{index}-stage*.pt")):

@@ -241,6 +241,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="engine.cpu_sync_load_cores: load on every core during a sync, or the worker's own",
     )
     parser.add_argument("--out", default="runs/bench-sync", help="JSON, engine logs, disk files")
+    parser.add_argument(
+        "--delta",
+        action="store_true",
+        help="full vs delta sync after real bf16 AdamW steps (vime.bench.delta); "
+        "uses the first of --transports",
+    )
+    parser.add_argument("--delta-lrs", type=float, nargs="+", default=[1e-6, 1e-5])
+    parser.add_argument("--delta-steps", type=int, default=5, help="optimizer steps per lr")
     parser.add_argument("--model-root", default="models", help="where checkpoints are built")
     args = parser.parse_args(argv)
     if args.iterations < 1 or args.warmup < 0 or args.control_iterations < 1:
@@ -277,6 +285,11 @@ def main(argv: list[str] | None = None) -> list[DtypeResult]:
             )
         topology = initialize_model_parallel(tp=args.tp, pp=1, timeout=timedelta(minutes=15))
         sync_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=15))
+        if args.delta:
+            from vime.bench.delta import bench_delta
+
+            bench_delta(args, topology, sync_group)
+            return []
         presets = args.sizes or [args.preset]
         results = [
             bench_dtype(args, preset, dtype, topology, sync_group)

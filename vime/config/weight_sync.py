@@ -48,16 +48,41 @@ class BroadcastTransportConfig(StrictModel):
         return self
 
 
+DELTA_DESCRIPTION = (
+    "Send only what changed since the last sync: per tensor nothing, the changed elements "
+    "(indices + values) or the whole tensor, whichever is smallest; the engine patches the "
+    "tensors of its last full sync and loads them whole (vime.weight_sync.delta). The first "
+    "sync, every sync after a reconnect or a failure is full. Costs one copy of the stage's "
+    "weights on the sender and one per engine worker."
+)
+
+
+def _refuse_delta(kind: str, delta: bool) -> None:
+    if delta:
+        raise ValueError(
+            f"weight_sync.transport.delta with kind {kind!r}: delta sync runs over gloo and shm "
+            "(vime's engine backends); vLLM's sparse NCCL engine is not wired into vime (never "
+            "run here): use kind gloo or shm, or delta: false"
+        )
+
+
 class GlooTransportConfig(BroadcastTransportConfig):
     """CPU, engines reachable by TCP: broadcast over gloo (vime's `gloo` engine backend)."""
 
     kind: Literal["gloo"] = "gloo"
+    delta: bool = Field(False, description=DELTA_DESCRIPTION)
 
 
 class NcclTransportConfig(BroadcastTransportConfig):
     """GPU, engines on other GPUs: broadcast over NCCL (vLLM's `nccl` engine backend)."""
 
     kind: Literal["nccl"] = "nccl"
+    delta: bool = Field(False, description="Not available with nccl (see gloo's delta).")
+
+    @model_validator(mode="after")
+    def _no_delta(self) -> NcclTransportConfig:
+        _refuse_delta(self.kind, self.delta)
+        return self
 
 
 class ShmTransportConfig(StrictModel):
@@ -65,6 +90,7 @@ class ShmTransportConfig(StrictModel):
 
     shape: ClassVar[str] = "tensor"  # the seed's UpdateWeightFromTensor
     kind: Literal["shm"] = "shm"
+    delta: bool = Field(False, description=DELTA_DESCRIPTION)
 
 
 class IpcTransportConfig(StrictModel):
@@ -72,6 +98,12 @@ class IpcTransportConfig(StrictModel):
 
     shape: ClassVar[str] = "tensor"  # the seed's UpdateWeightFromTensor
     kind: Literal["ipc"] = "ipc"
+    delta: bool = Field(False, description="Not available with ipc (see shm's delta).")
+
+    @model_validator(mode="after")
+    def _no_delta(self) -> IpcTransportConfig:
+        _refuse_delta(self.kind, self.delta)
+        return self
 
 
 TransportConfig = Annotated[

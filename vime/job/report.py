@@ -69,6 +69,7 @@ class Reporter:
             "time/step_end": now - start,
             "time/step_s": self._step_seconds[-1],
             **prefixed(sync.seconds, "sync/phase_"),
+            **_delta_metrics(sync),
             **(extra or {}),
         }
         self.writer.log(step, metrics)
@@ -89,6 +90,20 @@ class Reporter:
         """Seconds until the last step ends, at the mean pace of the steps so far."""
         recent = self._step_seconds[-10:]
         return (self.num_steps - step - 1) * sum(recent) / max(len(recent), 1)
+
+
+def _delta_metrics(sync: Any) -> dict[str, float]:
+    """weight_sync.transport.delta: whether the sync was a delta, what share of the elements
+    changed, what a full sync would have sent (rank 0's stage)."""
+    if getattr(sync, "delta", None) is None:
+        return {}
+    metrics = {
+        "sync/delta": float(sync.delta == "delta"),
+        "sync/full_bytes": float(sync.full_bytes),
+    }
+    if sync.changed_fraction is not None:
+        metrics["sync/changed_fraction"] = sync.changed_fraction
+    return metrics
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any], error: BaseException | None) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 REWARD_KEY = "rollout/reward_mean"
 SYNC_TIME_KEY = "sync/time_s"
+CHANGED_KEY = "sync/changed_fraction"
 LAG_KEY = "staleness/lag_mean"
 LOGPROB_DIFF_KEY = "train/logprob_diff"
 KL_REF_KEY = "train/kl_ref"
@@ -35,7 +36,7 @@ EVAL_STAGES = {
 # (panel title, keys drawn in it)
 PLOT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward (rollouts); held-out greedy pass@1", (REWARD_KEY, EVAL_KEY)),
-    ("weight sync time (s)", (SYNC_TIME_KEY,)),
+    ("weight sync time (s); delta: changed share of elements", (SYNC_TIME_KEY, CHANGED_KEY)),
     ("staleness (versions)", (LAG_KEY, "staleness/lag_max", "staleness/version_span_mean")),
     # |train - rollout|: the online check that sync is exact; KL to the reference (kl_coef > 0).
     ("policy drift", (LOGPROB_DIFF_KEY, KL_REF_KEY)),

@@ -5,6 +5,11 @@ triples and `pack`s each bucket into a uint8 buffer; the engine receives the sam
 description as JSON (`Bucket.to_dict`) and `unpack`s the bytes into zero-copy views. Planning is a
 pure function of its inputs, so two processes that plan the same list derive identical boundaries.
 
+A bucket has a `mode`: "dense" (load what arrives), "full" (load it, and the engine keeps it as
+the baseline of later deltas), "delta" (patches to that baseline: a dense replacement under its
+name, or a sparse one as two entries, `<name>::indices` and `<name>::values`) and "commit" (the
+delta is complete: load the whole patched baseline). See `vime.weight_sync.delta`.
+
 Layout of one bucket: tensors in the given order, each starting at an offset rounded up to
 `alignment` bytes (64 by default, so every view is aligned for any dtype and for vector loads);
 padding bytes are zero. `alignment=1` gives the dense concatenation that vLLM's own packed NCCL and
@@ -22,6 +27,7 @@ from typing import Any
 import torch
 
 ALIGNMENT = 64
+BUCKET_MODES = ("dense", "full", "delta", "commit")
 
 ParamSpec = tuple[str, "str | torch.dtype", Sequence[int]]
 
@@ -62,6 +68,7 @@ class Bucket:
     index: int
     tensors: tuple[TensorMeta, ...]
     nbytes: int
+    mode: str = "dense"
 
     @property
     def names(self) -> list[str]:
@@ -85,6 +92,7 @@ class Bucket:
             "shapes": [list(t.shape) for t in self.tensors],
             "offsets": [t.offset for t in self.tensors],
             "nbytes": self.nbytes,
+            "mode": self.mode,
         }
 
     @classmethod
@@ -123,7 +131,10 @@ class Bucket:
                 f"bucket {data['index']}: tensors end at byte {end} but the bucket has "
                 f"{bucket_nbytes} bytes"
             )
-        return cls(index=int(data["index"]), tensors=tuple(metas), nbytes=bucket_nbytes)
+        mode = data.get("mode", "dense")
+        if mode not in BUCKET_MODES:
+            raise ValueError(f"bucket {data['index']}: mode {mode!r} is not one of {BUCKET_MODES}")
+        return cls(index=int(data["index"]), tensors=tuple(metas), nbytes=bucket_nbytes, mode=mode)
 
 
 def _nbytes(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> int:

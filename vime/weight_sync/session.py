@@ -60,6 +60,13 @@ class SyncReport:
     # The send phase on this rank, split up by the updater: gather, convert, pack, checksum,
     # transfer (bytes moving + the engines' update calls, their load included).
     send_seconds: dict[str, float] = field(default_factory=dict)
+    # weight_sync.transport.delta: "full" or "delta" (None without); a delta's changed share of
+    # the elements and the bytes a full sync would have sent (this rank's stage).
+    delta: str | None = None
+    changed_fraction: float | None = None
+    full_bytes: int = 0
+    # A delta sync failed and the same version then went in full before the engines resumed.
+    repaired: bool = False
 
     @property
     def total_s(self) -> float:
@@ -146,6 +153,7 @@ def run_sync_session(
     send_stage: Callable[[], None],
     verify: Callable[[], None] | None = None,
     clear_cache: bool = False,
+    resume_on_failure: bool = True,
     call_timeout_s: float = 600.0,
     barrier_timeout_s: float = 600.0,
 ) -> SyncReport:
@@ -160,7 +168,9 @@ def run_sync_session(
 
     On a failure every rank raises WeightSyncError naming the step (and the engine, on rank 0).
     Before that rank 0 ends an open update with version "<weight_version>-failed" (weights may
-    be partly new: sync again before trusting them) and resumes every engine, best effort.
+    be partly new: sync again before trusting them) and, if `resume_on_failure`, resumes every
+    engine, best effort (without it they stay paused for the caller's next sync, which resumes
+    them: `resume_engines` if that cannot happen).
     """
     rank = dist.get_rank(group)
     engines = engines if rank == 0 else []  # only rank 0 calls the engines
@@ -173,12 +183,12 @@ def run_sync_session(
     def flush() -> None:
         report.prefix_cache_flushed = control.flush(clear_cache)
 
-    with control.paused():
+    with control.paused(resume_on_failure):
         step("pause", lambda: control.pause(clear_cache))
         step("flush", flush)
         with control.updating(weight_version):
             step("start", control.start)
-            for stage in range(pp_size):  # stages take turns: one engine loads one stage at a time
+            for stage in range(pp_size):  # stages take turns: one engine loads one at a time
                 step("send", send_stage if stage == pp_rank else None, f"pp stage {stage}")
             step("finish", lambda: control.finish(str(weight_version)))
         if verify is not None:
@@ -201,6 +211,14 @@ def run_sync_session(
         ", ".join(f"{k} {v:.3f}" for k, v in report.seconds.items()),
     )
     return report
+
+
+def resume_engines(engines: Sequence[Engine], group: Any, timeout_s: float) -> None:
+    """Rank 0 of `group`: resume every engine, best effort (after a failed sync that left them
+    paused and will not be followed by another); other ranks do nothing."""
+    if dist.get_rank(group) == 0:
+        control = _Control(engines, timeout_s)
+        control._best_effort("resume", control.resume, "engines may still be paused")
 
 
 class CheckedSteps:
@@ -284,12 +302,13 @@ class _Control:
         self._all("resume", lambda e: e.continue_generation())
 
     @contextmanager
-    def paused(self) -> Iterator[None]:
+    def paused(self, resume_on_failure: bool = True) -> Iterator[None]:
         """Resume every engine if the block fails (a half-failed pause may have paused some)."""
         try:
             yield
         except BaseException:
-            self._best_effort("resume", self.resume, "engines may still be paused")
+            if resume_on_failure:
+                self._best_effort("resume", self.resume, "engines may still be paused")
             raise
 
     @contextmanager

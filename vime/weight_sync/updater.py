@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -35,35 +36,23 @@ from vime.megatron.topology import Topology
 from vime.utils.timing import PhaseTimer
 from vime.weight_sync.buckets import (
     Bucket,
-    check_against_engine,
-    dtype_from_name,
     pack,
     plan_buckets,
     take_bucket_tensors,
-    tensor_digest,
 )
+from vime.weight_sync.checks import Served, check_engines, digest, verify_engines
+from vime.weight_sync.delta import DeltaEncoder, DeltaStats
 from vime.weight_sync.session import (
     CheckedSteps,
     SyncReport,
     WeightSyncError,
-    call_engines,
+    resume_engines,
     run_sync_session,
 )
-from vime.weight_sync.shards import Shard, WorkerLayout, worker_layout
+from vime.weight_sync.shards import WorkerLayout
 from vime.weight_sync.transports import SenderPlace, Transport, make_transport
-from vime.weight_sync.transports.ipc import check_ipc_placement
 
 logger = logging.getLogger(__name__)
-
-
-# What one engine worker serves of a tensor: its dtype name and its slice (None: all of it).
-Served = tuple[str, Shard | None]
-
-
-def _digest(tensor: torch.Tensor, dtype: str, shard: Shard | None) -> str:
-    """The digest a worker serving `shard` of `tensor` in `dtype` must report."""
-    part = tensor if shard is None else shard.take(tensor)
-    return tensor_digest(part.to(dtype_from_name(dtype)))
 
 
 class WeightUpdater:
@@ -108,6 +97,11 @@ class WeightUpdater:
             self._plan_error = f"trainer rank {dist.get_rank()}: {exc}"
         # Every stage's HF tensors in sending order (stage 0 first), shared by connect().
         self.metadata: list[HFWeightMeta] = []
+        # weight_sync.transport.delta: what this sender last sent, and whether every engine
+        # holds exactly that (the same on every rank; false after a reconnect or a failure).
+        self.delta = DeltaEncoder()
+        self._delta_valid = False
+        self.delta_stats: DeltaStats | None = None
         self.transport: Transport | None = None
         # Per engine, per worker: HF name -> the dtype it serves (may be wider than sent) and the
         # slice of the whole tensor it holds (tensor parallelism); read by check_engines.
@@ -149,70 +143,15 @@ class WeightUpdater:
     # ---- setup ------------------------------------------------------------------------------
 
     def check_engines(self) -> None:
-        """Compare the trainer's HF names, dtypes and shapes with every engine's; no bytes move.
-
-        Rank 0 first reads how each engine was started (GET /server_info: its weight-transfer
-        backend must be `weight_sync.transport`, its workers tp x pp x dp), then asks every
-        worker of every engine (vime_weight_metadata over collective_rpc) and tells every rank
-        the verdict, so all ranks raise the same ValueError naming the worker and the mismatched
-        tensors. A tensor may be sent narrower than the engine serves it when the cast is exact
-        (vLLM's CPU build keeps some tensors of bfloat16 models in float32). Each worker's
-        served dtypes and slices (tensor parallelism) are kept for `verify_checksums`.
-        """
-        problem: str | None = None
-        served: list[list[WorkerLayout]] = []
-        kind = self.config.transport.kind
-        sender_gpus: list[str] = []
-        if kind == "ipc":  # every stage sender's GPU, for the placement check
-            mine = None
-            if self.is_sender and torch.cuda.is_available():
-                mine = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-            everyone: list[Any] = [None] * dist.get_world_size(self.sync_group)
-            dist.all_gather_object(everyone, mine, group=self.sync_group)
-            sender_gpus = [gpu for gpu in everyone if gpu is not None]
-        if dist.get_rank(self.sync_group) == 0:
-            specs = [(m.name, m.dtype, m.shape) for m in self.metadata]
-
-            def check(engine: Any) -> list[WorkerLayout]:
-                # What the engine was started with, before any group is built or byte sent.
-                layout = engine.transfer_layout()
-                if layout["backend"] != kind:
-                    raise ValueError(
-                        f"the engine runs weight-transfer backend {layout['backend']!r} but "
-                        f"weight_sync.transport is {kind!r}: start it with "
-                        f'--weight-transfer-config \'{{"backend": "{kind}"}}\''
-                    )
-                if kind == "ipc":
-                    gpus = engine.collective_rpc("vime_gpu_uuid")
-                    check_ipc_placement(sender_gpus, gpus, self.engines.index(engine))
-                workers = engine.collective_rpc("vime_weight_metadata")
-                if len(workers) != layout["world_size"]:
-                    raise ValueError(
-                        f"{len(workers)} workers answered, the engine's parallel config has "
-                        f"{layout['world_size']}"
-                    )
-                layouts = []
-                for worker, expected in enumerate(workers):
-                    try:
-                        check_against_engine(specs, expected, allow_lossless_casts=True)
-                        layouts.append(worker_layout(expected))
-                    except ValueError as exc:
-                        raise ValueError(f"worker {worker}: {exc}") from None
-                return layouts
-
-            try:
-                served = call_engines(
-                    self.engines, "check", check, timeout_s=self.config.transfer_timeout_s
-                )
-            except WeightSyncError as exc:
-                problem = str(exc)
-        verdict: list[Any] = [problem, served]
-        dist.broadcast_object_list(verdict, group=self.sync_group, group_src=0)
-        if verdict[0] is not None:
-            raise ValueError(
-                f"trainer weights do not fit the engines, nothing was sent: {verdict[0]}"
-            )
-        self.engine_layouts = verdict[1]
+        """The pre-send check (`checks.check_engines`); keeps each worker's layout."""
+        self.engine_layouts = check_engines(
+            self.engines,
+            self.metadata,
+            kind=self.config.transport.kind,
+            is_sender=self.is_sender,
+            group=self.sync_group,
+            timeout_s=self.config.transfer_timeout_s,
+        )
 
     def share_metadata(self) -> None:
         """Every rank gets every stage's HF tensors (each pp sender lists its own, from the
@@ -234,9 +173,14 @@ class WeightUpdater:
         if twice:
             raise ValueError(f"HF tensors sent by more than one pipeline stage: {twice[:10]}")
 
+    def _reset_delta(self) -> None:
+        self.delta.reset()
+        self._delta_valid = False
+
     def connect(self) -> None:
         """Share the stages' tensor lists, check the engines, plan this stage's buckets and join
         the engines, stage by stage."""
+        self._reset_delta()  # new or restarted engines hold no baseline
         self.share_metadata()
         self.check_engines()
 
@@ -276,16 +220,41 @@ class WeightUpdater:
     def update_weights(self, version: int | None = None) -> SyncReport:
         """Sync the model's current weights into every engine as `version` (None: the next one);
         call on every trainer rank. `weight_version` becomes `version` once the sync succeeded;
-        after a failure it is unchanged (the engines may hold a mix: sync again)."""
+        after a failure it is unchanged (the engines may hold a mix: sync again).
+
+        With `transport.delta` a sync sends only what changed since the last one, except the
+        first, those after a reconnect and those after a failure, which are full. A delta that
+        fails is never half-applied (an engine loads a delta only at its commit, and a failed
+        update gives every layer it did not load its previous tensors back): the engines stay
+        paused on the previous weights while this rank reconnects and sends the same version in
+        full, and resume only after that (or after it failed too)."""
         if self.is_sender and self.transport is None:
             raise RuntimeError("call connect() before update_weights()")
         version = self.weight_version + 1 if version is None else version
+        # Every rank takes the same mode: the encoder's validity is the same on every rank (it
+        # is set only after a sync every rank saw succeed, reset by every failure or reconnect).
+        mode = "dense"
+        if self.config.transport.delta:
+            mode = "delta" if self._delta_valid else "full"
+        try:
+            report = self._sync(version, mode)
+        except WeightSyncError as failed:
+            if mode != "delta":
+                raise
+            report = self._repair(version, failed)
+        self.weight_version = version
+        return report
+
+    def _sync(self, version: int, mode: str) -> SyncReport:
+        """One session sending in `mode` (see `_send_stage`); a failed delta leaves the
+        engines paused."""
         self._send_timer.reset()
         sent: dict[str, dict[Served, str]] = {}  # name -> {(served dtype, slice): digest}
         counts = {"buckets": 0, "bytes": 0}
         verify = None
         if self.config.verify_checksums:
             verify = (lambda: self._verify(sent, version)) if self.is_sender else (lambda: None)
+        self.delta_stats = None
         try:
             report = run_sync_session(
                 engines=self.engines,
@@ -293,20 +262,49 @@ class WeightUpdater:
                 weight_version=version,
                 pp_rank=self.topology.pp_rank,
                 pp_size=self.topology.pp_size,
-                send_stage=lambda: self._send_stage(sent, counts),
+                send_stage=lambda: self._send_stage(sent, counts, mode),
                 verify=verify,
                 clear_cache=self.config.clear_cache_on_pause,
                 call_timeout_s=self.config.transfer_timeout_s,
                 barrier_timeout_s=self.config.barrier_timeout_s,
+                resume_on_failure=mode != "delta",
             )
         except WeightSyncError:
             if self.transport is not None:
                 self.transport.discard()  # engines may still hold views of what was sent
+            self._reset_delta()  # the engines' weights are unknown now: the next sync is full
             raise
-        self.weight_version = version
+        if mode != "dense":
+            self._delta_valid = True
+            report.delta = mode
+            if self.delta_stats is not None:
+                report.changed_fraction = self.delta_stats.changed_fraction
+                report.full_bytes = self.delta_stats.full_bytes
         report.num_buckets, report.num_bytes = counts["buckets"], counts["bytes"]
         report.verified = verify is not None
         report.send_seconds = self._send_breakdown()
+        return report
+
+    def _repair(self, version: int, failed: WeightSyncError) -> SyncReport:
+        """After a failed delta (engines paused on the previous weights, whole): rebuild the
+        transports (a broken broadcast group is out of step; a gloo engine first waits out its
+        receive timeout, `transfer_timeout_s`) and send `version` in full, which resumes them."""
+        rank = dist.get_rank(self.sync_group)
+        logger.log(
+            logging.WARNING if rank == 0 else logging.DEBUG,
+            "weight version %d: delta sync failed (%s); the engines stay paused on the previous "
+            "weights until the same version has gone in full",
+            version,
+            failed,
+        )
+        try:
+            self.close()
+            self.connect()
+            report = self._sync(version, "full")
+        except BaseException:
+            resume_engines(self.engines, self.sync_group, self.config.transfer_timeout_s)
+            raise
+        report.repaired = True
         return report
 
     def resync(self) -> SyncReport:
@@ -327,7 +325,12 @@ class WeightUpdater:
             seconds["transfer"] = max(0.0, inside - own)
         return seconds
 
-    def _send_stage(self, sent: dict[str, dict[Served, str]], counts: dict[str, int]) -> None:
+    def _send_stage(
+        self, sent: dict[str, dict[Served, str]], counts: dict[str, int], mode: str
+    ) -> None:
+        """This rank's part of its stage's send: gather (every rank of the stage), then on the
+        sender the buckets, `mode` "dense" (no delta), "full" (a full sync that the delta
+        encoder remembers) or "delta" (only what changed, then a commit)."""
         assert self.plan is not None
         gathered = self.plan.gather(
             self.gather_groups, timeout=self._timeout, timer=self._send_timer
@@ -337,49 +340,52 @@ class WeightUpdater:
                 pass
             return
         assert self.transport is not None
-        record = self.config.verify_checksums
         timer = self._send_timer
+        calls = [e.update_weights for e in self.engines]
+        if mode == "delta":
+            tensors = dict(gathered)
+            self._record(sent, tensors)
+            cap, alignment = self.config.update_weight_buffer_size, self.transport.alignment
+            with timer.phase("delta"):
+                buckets, entries, self.delta_stats = self.delta.buckets(tensors, cap, alignment)
+            with timer.phase("transport"):
+                self.transport.send_buckets(buckets, self._filler(entries, counts), calls)
+            return
 
         def fill(bucket: Bucket, buffer: torch.Tensor) -> None:
             tensors = dict(take_bucket_tensors(gathered, bucket))
-            if record:
-                with timer.phase("checksum"):
-                    for name, tensor in tensors.items():
-                        # Each distinct (dtype, slice) some engine worker serves, digested once.
-                        targets = {
-                            layout[name] for workers in self.engine_layouts for layout in workers
-                        }
-                        sent[name] = {target: _digest(tensor, *target) for target in targets}
-            with timer.phase("pack"):
+            self._record(sent, tensors)
+            if mode == "full":
+                for name, tensor in tensors.items():
+                    self.delta.remember(name, tensor)
+            self._filler(tensors, counts)(bucket, buffer)
+
+        buckets = self.buckets if mode == "dense" else [replace(b, mode=mode) for b in self.buckets]
+        with timer.phase("transport"):
+            self.transport.send_buckets(buckets, fill, calls)
+        leftover = [name for name, _ in gathered]
+        assert not leftover, f"gathered tensors missing from the bucket plan: {leftover}"
+
+    def _record(self, sent: dict[str, dict[Served, str]], tensors: dict[str, torch.Tensor]) -> None:
+        """With verify_checksums: each distinct (dtype, slice) some engine worker serves of each
+        tensor, digested once."""
+        if not self.config.verify_checksums:
+            return
+        with self._send_timer.phase("checksum"):
+            for name, tensor in tensors.items():
+                targets = {layout[name] for workers in self.engine_layouts for layout in workers}
+                sent[name] = {target: digest(tensor, *target) for target in targets}
+
+    def _filler(self, tensors: dict[str, torch.Tensor], counts: dict[str, int]):
+        def fill(bucket: Bucket, buffer: torch.Tensor) -> None:
+            with self._send_timer.phase("pack"):
                 pack(tensors, bucket, buffer)
             counts["buckets"] += 1
             counts["bytes"] += bucket.nbytes
 
-        with timer.phase("transport"):
-            self.transport.send_buckets(
-                self.buckets, fill, [e.update_weights for e in self.engines]
-            )
-        leftover = [name for name, _ in gathered]
-        assert not leftover, f"gathered tensors missing from the bucket plan: {leftover}"
+        return fill
 
     def _verify(self, sent: dict[str, dict[Served, str]], version: int) -> None:
-        """Every engine worker's sha256 of its part of each tensor this sender sent must equal
-        the trainer's digest of the same slice."""
-
-        def compare(engine: Any) -> None:
-            layouts = self.engine_layouts[self.engines.index(engine)]
-            for worker, served in enumerate(engine.collective_rpc("vime_weight_checksums")):
-                layout = layouts[worker]
-                differ = sorted(
-                    name if layout[name][1] is None else f"{name} ({layout[name][1]})"
-                    for name, digests in sent.items()
-                    if served.get(name) != digests[layout[name]]
-                )
-                if differ:
-                    raise ValueError(
-                        f"worker {worker} serves {len(differ)} tensors that differ from the "
-                        f"trainer's after weight version {version}: {differ[:10]}"
-                    )
-
-        call_engines(self.engines, "verify", compare, timeout_s=self.config.transfer_timeout_s)
-        logger.debug("verified %d tensors on %d engines", len(sent), len(self.engines))
+        verify_engines(
+            self.engines, self.engine_layouts, sent, version, self.config.transfer_timeout_s
+        )

@@ -25,7 +25,8 @@ vLLM's own NCCL and IPC engines. On CPU a bucket's load runs on every core the s
 `vime_weight_metadata` (HF names, dtypes and whole shapes the engine expects, and the slice each
 worker holds, to check before sending), `vime_weight_checksums` (sha256 of each worker's part of
 every HF-named tensor, to check after), `vime_gpu_uuid` (where an IPC handle must be opened) and
-`vime_weight_update_stats` (where the last update's time went on the worker).
+`vime_weight_update_stats` (where the last update's time went on the worker) and
+`vime_end_open_update` (ends an update a trainer that died mid-sync left open).
 """
 
 from __future__ import annotations
@@ -76,6 +77,15 @@ class VimeWorkerExtension:
         """This worker's `stats` of its last weight update (empty before the first one)."""
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "stats", {}))
+
+    def vime_end_open_update(self) -> bool:
+        """End a weight update left open (its trainer died between start and finish): vLLM
+        refuses a new start while one is open. Layers that got no weights keep their previous
+        tensors; the engine's weight version label is unchanged. Whether one was open."""
+        if not getattr(self, "_weight_update_active", False):
+            return False
+        self.finish_weight_update()  # type: ignore[attr-defined]
+        return True
 
     def vime_weight_checksums(self) -> dict[str, str]:
         """{HF name: sha256 hex of this worker's part's bytes} for every weight it serves."""

@@ -5,6 +5,7 @@ vLLM's layerwise reload around an update with every bucket loaded from views of 
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from typing import Any
 
@@ -12,8 +13,11 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from vime.weight_sync.buckets import Bucket
+from vime.weight_sync.delta import Baseline
 from vime.weight_sync.engine.moe import expert_prefixes, refresh_cpu_moe_prepack
 from vime.weight_sync.engine.parallel_load import CoreThreads, core_threads_from_env, split_by_layer
+
+logger = logging.getLogger(__name__)
 
 
 def worker_index(parallel_config: Any) -> int:
@@ -43,6 +47,7 @@ class BucketEngine(WeightTransferEngine):
         super().__init__(*args, **kwargs)
         self.stats: dict[str, float] = {}
         self._expert_prefixes: set[str] = set()  # MoE experts modules this update loaded
+        self._baseline = Baseline()  # delta syncs: the tensors of the last full sync, patched
 
     @functools.cached_property
     def _load_threads(self) -> CoreThreads | None:
@@ -55,6 +60,7 @@ class BucketEngine(WeightTransferEngine):
         began = time.perf_counter()
         initialize_layerwise_reload(self.model)
         self._expert_prefixes = set()
+        self._baseline.start()
         started = time.perf_counter() - began
         self.stats = dict(
             start=started,
@@ -65,6 +71,8 @@ class BucketEngine(WeightTransferEngine):
             buckets=0,
             parallel_buckets=0,  # loaded on more than one thread
             bytes=0,
+            patch=0.0,  # applying delta buckets to the baseline
+            delta_buckets=0,
         )
 
     def finish_weight_update(self) -> None:
@@ -86,9 +94,42 @@ class BucketEngine(WeightTransferEngine):
         # machine; loads here are synchronous on CPU and only need a sync on an accelerator.
         if self.stats:
             self.stats["requests"] += 1
-        self.receive_weights(self.parse_update_info(update_info))
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            self._end_failed_update()
+            raise
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
+
+    def _end_failed_update(self) -> None:
+        """vLLM 0.32's worker drops the update session when update_weights raises, and refuses
+        the finish that would have ended the layerwise reload: the layers it put on the meta
+        device would stay there and the next forward would kill the EngineCore. End the reload
+        here: a layer that got no weights in this update gets its previous tensors back (so an
+        uncommitted delta, which loads nothing, leaves the previous weights whole)."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        self._baseline.invalidate()  # what arrived of a delta may be half-applied
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        except Exception:  # noqa: BLE001 (the update's own error is the one to raise)
+            logger.exception("ending the failed weight update's layerwise reload failed")
+
+    def _receive(self, bucket: Bucket, entries: list[tuple[str, torch.Tensor]]) -> None:
+        """One bucket's tensors, by its mode (see vime.weight_sync.buckets / delta)."""
+        if bucket.mode == "dense":
+            self._load(entries)
+        elif bucket.mode == "full":
+            self._baseline.store(entries)
+            self._load(entries)
+        elif bucket.mode == "delta":
+            began = time.perf_counter()
+            self._baseline.patch(entries)
+            self._count("patch", began)
+            self.stats["delta_buckets"] += 1
+        else:  # commit: load the whole patched baseline, as a full sync of it would
+            self._load(self._baseline.commit())
 
     def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         from vllm.model_executor.model_loader.mtp_validation import (

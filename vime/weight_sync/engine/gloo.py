@@ -135,7 +135,7 @@ class GlooWeightTransferEngine(BucketEngine):
                 self._count("receive", began)
                 # The next bucket arrives (on gloo's threads) while this one loads.
                 pending = post(position + 1) if position + 1 < len(buckets) else None
-                self._load(unpack(buffer, bucket))
+                self._receive(bucket, unpack(buffer, bucket))
         except BaseException:
             self._pool.clear()
             raise

@@ -128,7 +128,7 @@ class ShmWeightTransferEngine(BucketEngine):
                 else:
                     view = self._mapping(name, bucket.nbytes)
                 self._count("receive", began)
-                self._load(unpack(view, bucket))
+                self._receive(bucket, unpack(view, bucket))
         except BaseException:
             self._mappings.clear()
             raise

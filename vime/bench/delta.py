@@ -1,0 +1,164 @@
+"""`vime bench-sync --delta`: full vs delta weight sync after real optimizer steps, side by side.
+
+    vime bench-sync --delta                                   # Qwen2.5-0.5B shape, bf16
+    vime bench-sync --delta --preset qwen2-tiny --delta-steps 2 --delta-lrs 1e-5
+
+The trainer holds bf16 parameters with fp32 master weights, as mixed-precision training does:
+each step is a real forward and backward on a random token batch (next-token loss), AdamW on the
+fp32 masters at the given lr, and the masters rounded into the bf16 parameters. After each step
+the same weights go into one vLLM CPU engine twice: a delta sync (only the elements whose bf16
+bits changed) and a full sync; each delta sync is verified by the engine's checksums. Prints per
+lr: the fraction of elements that changed, bytes on the wire and seconds (pause to resume, the
+verification excluded) of both, and where the delta sync's time went; writes every step's
+figures to --out/bench_delta.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("vime.bench")
+
+
+def _masters_step(
+    model: torch.nn.Module, masters: list[torch.Tensor], optimizer: Any, vocab_size: int, step: int
+) -> float:
+    """One mixed-precision step: bf16 grads -> fp32 masters -> AdamW -> bf16 params."""
+    from vime.megatron.forward import token_logprobs
+
+    model.train()
+    generator = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, vocab_size, (2, 65), generator=generator)
+    loss = -token_logprobs(model, ids, vocab_size=vocab_size).mean()
+    params = list(model.parameters())
+    for param in params:
+        param.grad = None
+    loss.backward()
+    for master, param in zip(masters, params, strict=True):
+        master.grad = param.grad.float() if param.grad is not None else torch.zeros_like(master)
+    optimizer.step()
+    with torch.no_grad():
+        for master, param in zip(masters, params, strict=True):
+            param.copy_(master)  # rounds to bf16
+    return float(loss)
+
+
+def _sync_seconds(report: Any) -> float:
+    return sum(s for phase, s in report.seconds.items() if phase != "verify")
+
+
+def bench_delta(args: argparse.Namespace, topology: Any, sync_group: Any) -> dict[str, Any]:
+    """Run the benchmark on this rank (world of one); rank 0 writes and prints the figures."""
+    from vime.bench.sync_setup import build_trainer, pin_trainer, running_engine, unpin
+    from vime.config import WeightSyncConfig
+    from vime.testing.tiny_model import build_tiny_model
+    from vime.weight_sync.updater import WeightUpdater
+
+    dtype = "bfloat16"
+    model_dir = Path(args.model_root) / f"bench-{args.preset}-{dtype}"
+    build_tiny_model(model_dir, args.preset, dtype)
+    unpin()
+    trainer = build_trainer(model_dir, dtype, topology, sync_group)
+    (transport,) = args.transports[:1]
+    figures: dict[str, Any] = {"preset": args.preset, "dtype": dtype, "transport": transport}
+    with running_engine(args, model_dir, dtype, transport) as engine:
+        pin_trainer()
+
+        def updater(delta: bool) -> WeightUpdater:
+            config = WeightSyncConfig(
+                transport={"kind": transport, "delta": delta},
+                update_weight_buffer_size=args.bucket_mib * 1024**2,
+                verify_checksums=delta,
+                transfer_timeout_s=900,
+                barrier_timeout_s=900,
+            )
+            sync = WeightUpdater(
+                config=config,
+                engines=[engine],
+                model=trainer.model,
+                converter=trainer.converter,
+                topology=trainer.topology,
+                gather_groups=trainer.groups,
+                sync_group=trainer.sync_group,
+            )
+            sync.connect()
+            return sync
+
+        delta_sync, full_sync = updater(True), updater(False)
+        delta_sync.update_weights()  # the delta's first sync is full: the engine's baseline
+        runs = []
+        for lr in args.delta_lrs:
+            masters = [
+                p.detach().float().clone().requires_grad_(True) for p in trainer.model.parameters()
+            ]
+            optimizer = torch.optim.AdamW(masters, lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+            rows = []
+            for step in range(args.delta_steps):
+                began = time.perf_counter()
+                vocab = trainer.converter.dims.vocab_size
+                loss = _masters_step(trainer.model, masters, optimizer, vocab, step)
+                step_s = time.perf_counter() - began
+                delta = delta_sync.update_weights()
+                full = full_sync.update_weights(version=delta_sync.weight_version)
+                rows.append(
+                    {
+                        "step": step,
+                        "loss": loss,
+                        "train_s": step_s,
+                        "changed_fraction": delta.changed_fraction,
+                        "delta_bytes": delta.num_bytes,
+                        "full_bytes": full.num_bytes,
+                        "delta_s": _sync_seconds(delta),
+                        "full_s": _sync_seconds(full),
+                        "delta_phases": delta.seconds,
+                        "delta_send": delta.send_seconds,
+                        "engine_stats": engine.collective_rpc("vime_weight_update_stats")[0],
+                        "verified": delta.verified,
+                    }
+                )
+                logger.info("lr %g step %d: %s", lr, step, {k: rows[-1][k] for k in
+                            ("changed_fraction", "delta_bytes", "full_bytes", "delta_s",
+                             "full_s")})  # fmt: skip
+            runs.append({"lr": lr, "steps": rows})
+        delta_sync.close()
+        full_sync.close()
+    figures["runs"] = runs
+    if dist.get_rank() == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_delta.json").write_text(json.dumps(figures, indent=2))
+        print(format_delta(figures))
+    return figures
+
+
+def format_delta(figures: dict[str, Any]) -> str:
+    """One row per lr: medians over its steps (n stated)."""
+    lines = [
+        f"delta vs full sync, {figures['preset']} {figures['dtype']} over "
+        f"{figures['transport']} (medians of n steps, each a real AdamW step on fp32 masters)",
+        "| lr | n | changed elements | delta bytes | full bytes | delta s | full s | "
+        "engine load s (delta) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run in figures["runs"]:
+        rows = run["steps"]
+
+        def median(key: str, rows: list[dict[str, Any]] = rows) -> float:
+            return statistics.median(row[key] for row in rows)
+
+        load = statistics.median(row["engine_stats"].get("load", 0.0) for row in rows)
+        lines.append(
+            f"| {run['lr']:g} | {len(rows)} | {median('changed_fraction'):.4%} | "
+            f"{median('delta_bytes') / 1e6:.1f} MB | {median('full_bytes') / 1e6:.1f} MB | "
+            f"{median('delta_s'):.3f} | {median('full_s'):.3f} | {load:.3f} |"
+        )
+    return "\n".join(lines)

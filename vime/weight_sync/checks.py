@@ -1,0 +1,140 @@
+"""What the updater checks against the engines: before any byte moves, and after a sync.
+
+- `check_engines`: every worker of every engine serves the trainer's HF names, dtypes and shapes
+  (a tensor may be sent narrower when the cast is exact), runs the transport's backend and, for
+  ipc, sits on the senders' GPU; every rank raises the same ValueError otherwise.
+- `verify_engines`: every worker's sha256 of its part of each tensor equals the trainer's digest
+  of the same slice (weight_sync.verify_checksums).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vime.megatron.gather import HFWeightMeta
+from vime.weight_sync.buckets import check_against_engine, dtype_from_name, tensor_digest
+from vime.weight_sync.session import WeightSyncError, call_engines
+from vime.weight_sync.shards import Shard, WorkerLayout, worker_layout
+from vime.weight_sync.transports.ipc import check_ipc_placement
+
+logger = logging.getLogger(__name__)
+
+# What one engine worker serves of a tensor: its dtype name and its slice (None: all of it).
+Served = tuple[str, Shard | None]
+
+
+def digest(tensor: torch.Tensor, dtype: str, shard: Shard | None) -> str:
+    """The digest a worker serving `shard` of `tensor` in `dtype` must report."""
+    part = tensor if shard is None else shard.take(tensor)
+    return tensor_digest(part.to(dtype_from_name(dtype)))
+
+
+def check_engines(
+    engines: Sequence[Any],
+    metadata: list[HFWeightMeta],
+    *,
+    kind: str,
+    is_sender: bool,
+    group: Any,
+    timeout_s: float,
+) -> list[list[WorkerLayout]]:
+    """Compare the trainer's HF names, dtypes and shapes with every engine's; no bytes move.
+
+    Rank 0 first reads how each engine was started (GET /server_info: its weight-transfer
+    backend must be `weight_sync.transport`, its workers tp x pp x dp), then asks every
+    worker of every engine (vime_weight_metadata over collective_rpc) and tells every rank
+    the verdict, so all ranks raise the same ValueError naming the worker and the mismatched
+    tensors. A tensor may be sent narrower than the engine serves it when the cast is exact
+    (vLLM's CPU build keeps some tensors of bfloat16 models in float32). Each worker's
+    served dtypes and slices (tensor parallelism) are returned, for `verify_engines`.
+    """
+    problem: str | None = None
+    served: list[list[WorkerLayout]] = []
+    sender_gpus: list[str] = []
+    if kind == "ipc":  # every stage sender's GPU, for the placement check
+        mine = None
+        if is_sender and torch.cuda.is_available():
+            mine = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        sender_gpus = [gpu for gpu in everyone if gpu is not None]
+    if dist.get_rank(group) == 0:
+        specs = [(m.name, m.dtype, m.shape) for m in metadata]
+
+        def check(engine: Any) -> list[WorkerLayout]:
+            # What the engine was started with, before any group is built or byte sent.
+            layout = engine.transfer_layout()
+            if layout["backend"] != kind:
+                raise ValueError(
+                    f"the engine runs weight-transfer backend {layout['backend']!r} but "
+                    f"weight_sync.transport is {kind!r}: start it with "
+                    f'--weight-transfer-config \'{{"backend": "{kind}"}}\''
+                )
+            if kind == "ipc":
+                gpus = engine.collective_rpc("vime_gpu_uuid")
+                check_ipc_placement(sender_gpus, gpus, engines.index(engine))
+            workers = engine.collective_rpc("vime_weight_metadata")
+            if len(workers) != layout["world_size"]:
+                raise ValueError(
+                    f"{len(workers)} workers answered, the engine's parallel config has "
+                    f"{layout['world_size']}"
+                )
+            layouts = []
+            for worker, expected in enumerate(workers):
+                try:
+                    check_against_engine(specs, expected, allow_lossless_casts=True)
+                    layouts.append(worker_layout(expected))
+                except ValueError as exc:
+                    raise ValueError(f"worker {worker}: {exc}") from None
+            # A trainer that died mid-sync may have left an update open (vLLM then refuses
+            # every start); the engine is still paused, so the first sync decides what it serves.
+            if any(engine.collective_rpc("vime_end_open_update")):
+                logger.warning(
+                    "engine %d: ended a weight update an earlier trainer left open",
+                    list(engines).index(engine),
+                )
+            return layouts
+
+        try:
+            served = call_engines(engines, "check", check, timeout_s=timeout_s)
+        except WeightSyncError as exc:
+            problem = str(exc)
+    verdict: list[Any] = [problem, served]
+    dist.broadcast_object_list(verdict, group=group, group_src=0)
+    if verdict[0] is not None:
+        raise ValueError(f"trainer weights do not fit the engines, nothing was sent: {verdict[0]}")
+    return verdict[1]
+
+
+def verify_engines(
+    engines: Sequence[Any],
+    engine_layouts: list[list[WorkerLayout]],
+    sent: dict[str, dict[Served, str]],
+    version: int,
+    timeout_s: float,
+) -> None:
+    """Every engine worker's sha256 of its part of each tensor this sender sent must equal
+    the trainer's digest of the same slice."""
+
+    def compare(engine: Any) -> None:
+        layouts = engine_layouts[list(engines).index(engine)]
+        for worker, served in enumerate(engine.collective_rpc("vime_weight_checksums")):
+            layout = layouts[worker]
+            differ = sorted(
+                name if layout[name][1] is None else f"{name} ({layout[name][1]})"
+                for name, digests in sent.items()
+                if served.get(name) != digests[layout[name]]
+            )
+            if differ:
+                raise ValueError(
+                    f"worker {worker} serves {len(differ)} tensors that differ from the "
+                    f"trainer's after weight version {version}: {differ[:10]}"
+                )
+
+    call_engines(engines, "verify", compare, timeout_s=timeout_s)
+    logger.debug("verified %d tensors on %d engines", len(sent), len(engines))

@@ -1,0 +1,200 @@
+"""Delta weight sync: send only the elements that changed since the last sync, bit for bit.
+
+In RL fine-tuning most elements of a bf16 model are bit-identical from one step to the next
+(an AdamW step of lr 1e-6 rarely moves a weight by one bf16 ulp), so a sync can send indices and
+values of the changed elements instead of every byte.
+
+Sender (`DeltaEncoder`, one per pipeline stage's sender): keeps a copy of every HF tensor as it
+was last sent (the sent dtype, so "unchanged" means the same bits the engine last loaded). Per
+tensor it sends the smaller of: nothing (unchanged), the changed elements (`<name>::indices`
+int32/int64 flat indices, `<name>::values` in the tensor's dtype), or the whole tensor.
+
+Engine (`Baseline`, one per worker, in `vime.weight_sync.engine.base`): keeps the tensors of
+the last full sync as received, applies each delta to them (a scatter, O(changed)), and on the
+final "commit" bucket loads every tensor of the patched baseline through the model's own loader,
+exactly as a full sync of the same weights would (TP slicing, fused qkv / gate-up, vocab padding
+and vLLM CPU's kernel repack all run as usual). Until the commit nothing is loaded: a delta that
+fails midway leaves the engine serving the previous weights, whole.
+
+Exact or nothing: the first sync, every sync after a reconnect (a restarted or new engine) and
+every sync after a failure is full (`DeltaEncoder.reset`); the per-worker checksums (the verify
+path) compare the engine with the full tensors after a delta as after a full sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from vime.weight_sync.buckets import Bucket, plan_buckets
+
+INDICES = "::indices"
+VALUES = "::values"
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as integers of the same width (NaN, -0.0 and +0.0 compare apart)."""
+    return tensor.contiguous().view(_BITS[tensor.element_size()])
+
+
+@dataclass
+class DeltaStats:
+    """What one stage's sync sent, against what a full sync would have."""
+
+    elements: int = 0
+    changed: int = 0
+    full_bytes: int = 0
+    sent_bytes: int = 0
+    dense: int = 0  # tensors sent whole (most of them changed)
+    sparse: int = 0  # tensors sent as indices + values
+    unchanged: int = 0  # tensors not sent at all
+    names: list[str] = field(default_factory=list, repr=False)
+
+    @property
+    def changed_fraction(self) -> float:
+        return self.changed / self.elements if self.elements else 0.0
+
+
+class DeltaEncoder:
+    """The last-sent copy of one stage's HF tensors, and the delta of new ones against it."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, torch.Tensor] = {}
+
+    def reset(self) -> None:
+        """The engines' weights are unknown (first sync, reconnect, failure): send in full."""
+        self._last.clear()
+
+    def remember(self, name: str, tensor: torch.Tensor) -> None:
+        """A full sync sent `tensor` under `name`."""
+        kept = self._last.get(name)
+        if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
+            self._last[name] = tensor.detach().clone().contiguous()
+        else:
+            kept.copy_(tensor)
+
+    def encode(
+        self, name: str, tensor: torch.Tensor, stats: DeltaStats
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The entries that bring the engines from the last-sent `name` to `tensor`, cheapest
+        first: [] (unchanged), sparse (indices, values) or dense ([(name, tensor)]); the
+        last-sent copy then equals `tensor`."""
+        old = self._last.get(name)
+        if old is None or old.shape != tensor.shape or old.dtype != tensor.dtype:
+            raise ValueError(f"delta sync: {name!r} was not sent before in this shape and dtype")
+        numel, size = tensor.numel(), tensor.element_size()
+        stats.elements += numel
+        stats.full_bytes += numel * size
+        flat_old = old.view(-1)
+        flat_new = tensor.detach().contiguous().view(-1)
+        changed = torch.nonzero(bits(flat_new) != bits(flat_old)).squeeze(1)
+        count = changed.numel()
+        stats.changed += count
+        if count == 0:
+            stats.unchanged += 1
+            return []
+        index_dtype = torch.int32 if numel < 2**31 else torch.int64
+        sparse_bytes = count * (index_dtype.itemsize + size)
+        if sparse_bytes < numel * size:
+            values = flat_new[changed]
+            flat_old[changed] = values
+            stats.sparse += 1
+            stats.sent_bytes += sparse_bytes
+            return [(name + INDICES, changed.to(index_dtype)), (name + VALUES, values)]
+        flat_old.copy_(flat_new)
+        stats.dense += 1
+        stats.sent_bytes += numel * size
+        return [(name, tensor)]
+
+    def buckets(
+        self, tensors: dict[str, torch.Tensor], cap: int, alignment: int
+    ) -> tuple[list[Bucket], dict[str, torch.Tensor], DeltaStats]:
+        """The delta of one stage's `tensors` as "delta" buckets of at most `cap` bytes, then an
+        empty "commit"; the entries to pack into them; what it saved."""
+        stats = DeltaStats()
+        entries: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors.items():
+            entries.update(self.encode(name, tensor, stats))
+        specs = [(name, t.dtype, tuple(t.shape)) for name, t in entries.items()]
+        buckets = [replace(b, mode="delta") for b in plan_buckets(specs, cap, alignment)]
+        buckets.append(Bucket(index=len(buckets), tensors=(), nbytes=0, mode="commit"))
+        return buckets, entries, stats
+
+
+class Baseline:
+    """Engine side, one per worker: the tensors of the last full sync, patched by every delta.
+
+    `store` keeps a full bucket's tensors (copies: the bucket's buffer is reused by a later sync),
+    `patch` applies a delta bucket's entries (a sparse entry's indices and values may arrive in
+    different buckets), `tensors` is what a commit loads. Any delta that cannot be applied, or an
+    update that ends without its commit, makes the baseline invalid until the next full sync.
+    """
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._indices: dict[str, torch.Tensor] = {}  # sparse entries waiting for their values
+        self.valid = False
+        self.open_delta = False  # delta buckets arrived in this update, not yet committed
+
+    def start(self) -> None:
+        """A weight update begins."""
+        if self.open_delta:  # the previous update ended without its commit
+            self.valid = False
+        self.open_delta = False
+        self._indices.clear()
+
+    def invalidate(self) -> None:
+        """An update failed on this worker: only a full sync makes the baseline known again."""
+        self.valid = False
+        self.open_delta = False
+        self._indices.clear()
+
+    def store(self, entries: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in entries:
+            kept = self._tensors.get(name)
+            if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
+                self._tensors[name] = tensor.detach().clone()
+            else:
+                kept.copy_(tensor)
+        self.valid = True
+        self.open_delta = False  # a full sync supersedes a delta left open in this update
+
+    def patch(self, entries: list[tuple[str, torch.Tensor]]) -> None:
+        if not self.valid:
+            self.open_delta = True
+            raise ValueError(
+                "delta bucket without a valid baseline on this worker (restarted, or a delta "
+                "failed before): the trainer must send a full sync"
+            )
+        self.open_delta = True
+        for name, tensor in entries:
+            if name.endswith(INDICES):
+                self._indices[name.removesuffix(INDICES)] = tensor
+                continue
+            if name.endswith(VALUES):
+                base = name.removesuffix(VALUES)
+                indices = self._indices.pop(base, None)
+                target = self._tensors.get(base)
+                if indices is None or target is None or target.dtype != tensor.dtype:
+                    self.valid = False
+                    raise ValueError(f"delta bucket: {name!r} has no indices or no baseline")
+                target.view(-1)[indices.long()] = tensor
+                continue
+            target = self._tensors.get(name)
+            if target is None or target.shape != tensor.shape or target.dtype != tensor.dtype:
+                self.valid = False
+                raise ValueError(f"delta bucket: {name!r} does not replace a baseline tensor")
+            target.copy_(tensor)
+
+    def commit(self) -> list[tuple[str, torch.Tensor]]:
+        """The whole patched baseline, to load; the update's delta is complete."""
+        if self._indices or not self.valid:
+            self.valid = False
+            raise ValueError(
+                f"delta commit with sparse entries missing values: {sorted(self._indices)}"
+            )
+        self.open_delta = False
+        return list(self._tensors.items())
