@@ -52,8 +52,10 @@ class FakeClient:
         self.calls = 0
         self.counter = itertools.count()
         self.closed = False
+        self.salts: list[str | None] = []
 
-    async def generate(self, prompt_token_ids, sampling):
+    async def generate(self, prompt_token_ids, sampling, cache_salt=None):
+        self.salts.append(cache_salt)
         self.calls += 1
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -274,3 +276,18 @@ def test_rollout_thread_overlaps_with_caller():
         batches = [future.result(timeout=30) for future in futures]
     assert [batch.step for batch in batches] == [0, 1, 2]
     assert client.closed
+
+
+def test_requests_are_salted_with_the_served_version_and_stale_prefixes_are_set_apart():
+    client = FakeClient(versions=("4", "4"))
+    batch = asyncio.run(make_manager(client).generate_batch(0, weight_version=4))
+    assert set(client.salts) == {"vime-weights-4"}
+    assert not any(s.stale_prefix for s in batch.samples)
+    assert batch.metrics()["rollout/stale_prefix_fraction"] == 0.0
+    # Submitted while version 3 was served, first scheduled after the sync to 4.
+    client = FakeClient(versions=("4", "4"))
+    batch = asyncio.run(make_manager(client).generate_batch(0, weight_version=3))
+    assert all(s.stale_prefix for s in batch.samples)
+    packed = batch.pack(pad_token_id=0)
+    assert set(packed.token_versions[packed.loss_mask > 0].tolist()) == {-2}
+    assert batch.metrics()["rollout/stale_prefix_fraction"] == 1.0

@@ -42,6 +42,17 @@ class RolloutConfig(StrictModel):
         3, ge=0, description="Resubmit a request the engine aborted (abort-mode pause) this often."
     )
     shuffle_seed: int = Field(0, description="Seed of the per-epoch prompt order.")
+    salt_by_version: bool = Field(
+        True,
+        description=(
+            "Give each request vLLM's cache_salt for the weight version the engines serve when "
+            "it is submitted, so no new request starts from prefix KV another version computed "
+            "(without clear_cache_on_pause the prefix cache cannot be flushed while kept "
+            "requests hold blocks). A request submitted before a sync but first scheduled "
+            "after it still carries the old salt: its sample is then not counted as one "
+            "version's (see RolloutSample.salt_version)."
+        ),
+    )
     unlabelled_version: int = Field(
         0,
         description=(

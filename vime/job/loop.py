@@ -44,8 +44,11 @@ class Job:
     recovery_metrics: Any = None  # rank 0 with fault tolerance: () -> dict
 
     def submit(self, step: int) -> Any:
-        """Rank 0: start generating step `step`'s batch (None elsewhere)."""
-        return self.rollouts.submit(step) if self.rollouts is not None else None
+        """Rank 0: start generating step `step`'s batch (None elsewhere), its requests salted
+        with the version the engines serve now."""
+        if self.rollouts is None:
+            return None
+        return self.rollouts.submit(step, self.sync.weight_version)
 
 
 def run_loop(job: Job) -> dict[str, Any]:

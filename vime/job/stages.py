@@ -70,7 +70,7 @@ class Evaluator:
     def __call__(self, when: str, step: int, weight_version: int) -> None:
         if self._rollout is None or self.writer is None:
             return
-        future = self.rollouts.evaluate(self._rollout)
+        future = self.rollouts.evaluate(self._rollout, weight_version)
         timeout_s = self.config.eval.timeout_s
         try:
             scores = eval_metrics(future.result(timeout=timeout_s))

@@ -92,12 +92,13 @@ class RolloutManager:
             self._order, self._order_epoch = order, epoch
         return self._order
 
-    async def generate_batch(self, step: int) -> RolloutBatch:
-        """Generate num_prompts_per_step groups of num_samples_per_prompt samples, all in flight."""
+    async def generate_batch(self, step: int, weight_version: int | None = None) -> RolloutBatch:
+        """Generate num_prompts_per_step groups of num_samples_per_prompt samples, all in flight.
+        `weight_version`: what the engines serve now (each request's cache salt)."""
         group_size = self.config.num_samples_per_prompt
         start_time = time.time()
         coroutines = [
-            self._sample(prompt_index, group_index, sample_index)
+            self._sample(prompt_index, group_index, sample_index, weight_version)
             for group_index, prompt_index in enumerate(self.prompt_indices(step))
             for sample_index in range(group_size)
         ]
@@ -118,25 +119,30 @@ class RolloutManager:
         )
         return batch
 
-    async def _generate(self, prompt_ids: list[int]) -> tuple[GenerationResult, int]:
+    async def _generate(
+        self, prompt_ids: list[int], salt: str | None
+    ) -> tuple[GenerationResult, int]:
         """Generate, resubmitting aborted requests; after max_aborted_retries the aborted (possibly
         empty) result is kept: its finish_reason says "abort" and it adds no tokens to the loss."""
         retries = 0
         while True:
             if self._limit is None:
-                result = await self.client.generate(prompt_ids, self.sampling)
+                result = await self.client.generate(prompt_ids, self.sampling, cache_salt=salt)
             else:
                 async with self._limit:
-                    result = await self.client.generate(prompt_ids, self.sampling)
+                    result = await self.client.generate(prompt_ids, self.sampling, cache_salt=salt)
             if not result.aborted or retries >= self.config.max_aborted_retries:
                 return result, retries
             retries += 1
 
     async def _sample(
-        self, prompt_index: int, group_index: int, sample_index: int
+        self, prompt_index: int, group_index: int, sample_index: int, version: int | None
     ) -> RolloutSample:
         record = self.prompts[prompt_index]
-        result, retries = await self._generate(self._prompt_ids[prompt_index])
+        salt = None
+        if self.config.salt_by_version and version is not None:
+            salt = f"vime-weights-{version}"
+        result, retries = await self._generate(self._prompt_ids[prompt_index], salt)
         completion = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         reward = self.reward_fn(record.prompt, completion, record.metadata)
         if (
@@ -171,6 +177,7 @@ class RolloutManager:
                 isinstance(v, str) and v.endswith("-failed") for v in result.weight_versions
             ),
             num_aborted_retries=retries,
+            salt_version=version if salt is not None else None,
         )
 
 
@@ -211,19 +218,25 @@ class RolloutThread:
         self.manager = asyncio.run_coroutine_threadsafe(build(), self._loop).result()
         self._pending: set[concurrent.futures.Future] = set()
 
-    def submit(self, step: int) -> concurrent.futures.Future[RolloutBatch]:
-        future = asyncio.run_coroutine_threadsafe(self.manager.generate_batch(step), self._loop)
+    def submit(
+        self, step: int, weight_version: int | None = None
+    ) -> concurrent.futures.Future[RolloutBatch]:
+        """Start generating step `step`'s batch; `weight_version`: what the engines serve now."""
+        batch = self.manager.generate_batch(step, weight_version)
+        future = asyncio.run_coroutine_threadsafe(batch, self._loop)
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
         return future
 
-    def evaluate(self, config: RolloutConfig) -> concurrent.futures.Future[RolloutBatch]:
+    def evaluate(
+        self, config: RolloutConfig, weight_version: int | None = None
+    ) -> concurrent.futures.Future[RolloutBatch]:
         """Every prompt of `config` once (its own prompts, sampling and reward), on this thread's
         loop and client: a held-out evaluation between steps."""
 
         async def run() -> RolloutBatch:
             manager = RolloutManager(config, client=self.client, tokenizer=self.manager.tokenizer)
-            return await manager.generate_batch(step=0)
+            return await manager.generate_batch(step=0, weight_version=weight_version)
 
         future = asyncio.run_coroutine_threadsafe(run(), self._loop)
         self._pending.add(future)

@@ -61,6 +61,16 @@ class RolloutSample:
     metadata: dict[str, Any] = field(default_factory=dict)
     on_failed_sync: bool = False
     num_aborted_retries: int = 0
+    # The version whose cache salt the request carried (None: unsalted). When its first token
+    # came from a later version, the request was scheduled after a sync it was submitted
+    # before, and its prompt's KV may have been computed by the older weights.
+    salt_version: int | None = None
+
+    @property
+    def stale_prefix(self) -> bool:
+        """Its prompt KV may come from another version than its first token."""
+        first = self.weight_versions[0] if self.weight_versions else None
+        return self.salt_version is not None and first is not None and first != self.salt_version
 
     @property
     def oldest_version(self) -> int | None:
@@ -149,7 +159,10 @@ class RolloutBatch:
             end = start + len(sample.response_token_ids)
             loss_mask[i, start:end] = 1.0
             rollout_logprobs[i, start:end] = torch.tensor(sample.rollout_logprobs)
-            token_versions[i, start:end] = torch.tensor(sample.weight_versions, dtype=torch.long)
+            versions = torch.tensor(sample.weight_versions, dtype=torch.long)
+            # A sample whose prompt KV may be another version's is no one version's: -2 matches
+            # no trainer version, so the same-version log-prob check leaves it out.
+            token_versions[i, start:end] = -2 if sample.stale_prefix else versions
         return PackedBatch(
             input_ids=input_ids,
             loss_mask=loss_mask,
@@ -179,6 +192,10 @@ class RolloutBatch:
                 sum(s.finish_reason == "length" for s in self.samples) / len(self.samples)
             ),
             "rollout/aborted_retries": float(sum(s.num_aborted_retries for s in self.samples)),
+            # Submitted before a sync, first scheduled after it (its salt was the old version's).
+            "rollout/stale_prefix_fraction": (
+                sum(s.stale_prefix for s in self.samples) / len(self.samples)
+            ),
             "rollout/time_s": duration,
             "rollout/tokens_per_s": sum(lengths) / duration,
         }

@@ -173,8 +173,12 @@ class GenerationClient:
         engine_index: int | None = None,
         on_tokens: Callable[[GenerationResult], None] | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> GenerationResult:
         """Generate one completion; `on_tokens(result)` is called after each streamed chunk.
+
+        `cache_salt`: vLLM's prefix-cache salt; requests with different salts never share KV
+        blocks (the RL job salts each request with the weight version the engines serve).
 
         With fault tolerance, a request lost with its engine (the engine is marked down, see
         `mark_down`) is submitted again, from scratch, once an engine is back.
@@ -195,6 +199,8 @@ class GenerationClient:
                 # Streaming costs the client a JSON chunk per token: only when progress is watched.
                 "stream": on_tokens is not None,
             }
+            if cache_salt is not None:
+                payload["cache_salt"] = cache_salt
             if await self._attempt(url, payload, result, on_tokens):
                 result.end_time = time.time()
                 return result
