@@ -52,6 +52,7 @@ class SyncStep:
     delta: bool = False  # weight_sync.transport.delta
     changed_fraction: float = 1.0  # of every parameter's elements the step's SGD changes
     reconnect: bool = False  # the updater reconnects first (as after an engine restart)
+    reset_delta: bool = False  # a full sync over the same transport (more buckets than a delta)
     fail_in_send: bool = False  # the pp sender of the last stage raises after its first bucket
     kill_in_send: bool = False  # ... or kills itself (SIGKILL) there: the job dies mid-sync
     bucket_bytes: int = 200_000
@@ -246,6 +247,8 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
         if step.reconnect:
             updater.close()
             updater.connect()
+        if step.reset_delta:
+            updater.reset_delta()
         last_sender = updater.is_sender and topology.pp_rank == topology.pp_size - 1
         if (step.fail_in_send or step.kill_in_send) and last_sender:
             _break_after_first_bucket(updater, kill=step.kill_in_send)

@@ -7,7 +7,9 @@ The trainer holds bf16 parameters with fp32 master weights, as mixed-precision t
 each step is a real forward and backward on a random token batch (next-token loss), AdamW on the
 fp32 masters at the given lr, and the masters rounded into the bf16 parameters. After each step
 the same weights go into one vLLM CPU engine twice: a delta sync (only the elements whose bf16
-bits changed) and a full sync; each delta sync is verified by the engine's checksums. Prints per
+bits changed), then a full sync of the same weights as the delta path sends one (every byte,
+kept by both sides as the next delta's baseline); both are verified by the engine's checksums
+(not timed). Prints per
 lr: the fraction of elements that changed, bytes on the wire and seconds (pause to resume, the
 verification excluded) of both, and where the delta sync's time went; writes every step's
 figures to --out/bench_delta.json.
@@ -49,11 +51,14 @@ def _masters_step(
     with torch.no_grad():
         for master, param in zip(masters, params, strict=True):
             param.copy_(master)  # rounds to bf16
-    return float(loss)
+    return float(loss.detach())
 
 
 def _sync_seconds(report: Any) -> float:
-    return sum(s for phase, s in report.seconds.items() if phase != "verify")
+    """Pause to resume, without the checksums (computed on the sender during its send, and
+    compared after it): both syncs of a step are verified, neither is timed with it."""
+    total = sum(s for phase, s in report.seconds.items() if phase != "verify")
+    return total - report.send_seconds.get("checksum", 0.0)
 
 
 def bench_delta(args: argparse.Namespace, topology: Any, sync_group: Any) -> dict[str, Any]:
@@ -73,28 +78,24 @@ def bench_delta(args: argparse.Namespace, topology: Any, sync_group: Any) -> dic
     with running_engine(args, model_dir, dtype, transport) as engine:
         pin_trainer()
 
-        def updater(delta: bool) -> WeightUpdater:
-            config = WeightSyncConfig(
-                transport={"kind": transport, "delta": delta},
-                update_weight_buffer_size=args.bucket_mib * 1024**2,
-                verify_checksums=delta,
-                transfer_timeout_s=900,
-                barrier_timeout_s=900,
-            )
-            sync = WeightUpdater(
-                config=config,
-                engines=[engine],
-                model=trainer.model,
-                converter=trainer.converter,
-                topology=trainer.topology,
-                gather_groups=trainer.groups,
-                sync_group=trainer.sync_group,
-            )
-            sync.connect()
-            return sync
-
-        delta_sync, full_sync = updater(True), updater(False)
-        delta_sync.update_weights()  # the delta's first sync is full: the engine's baseline
+        config = WeightSyncConfig(
+            transport={"kind": transport, "delta": True},
+            update_weight_buffer_size=args.bucket_mib * 1024**2,
+            verify_checksums=True,
+            transfer_timeout_s=900,
+            barrier_timeout_s=900,
+        )
+        sync = WeightUpdater(
+            config=config,
+            engines=[engine],
+            model=trainer.model,
+            converter=trainer.converter,
+            topology=trainer.topology,
+            gather_groups=trainer.groups,
+            sync_group=trainer.sync_group,
+        )
+        sync.connect()
+        sync.update_weights()  # the first sync is full: the engine's baseline
         runs = []
         for lr in args.delta_lrs:
             masters = [
@@ -107,8 +108,11 @@ def bench_delta(args: argparse.Namespace, topology: Any, sync_group: Any) -> dic
                 vocab = trainer.converter.dims.vocab_size
                 loss = _masters_step(trainer.model, masters, optimizer, vocab, step)
                 step_s = time.perf_counter() - began
-                delta = delta_sync.update_weights()
-                full = full_sync.update_weights(version=delta_sync.weight_version)
+                delta = sync.update_weights()
+                delta_engine = engine.collective_rpc("vime_weight_update_stats")[0]
+                sync.reset_delta()  # the same weights again, every byte of them
+                full = sync.resync()
+                assert delta.delta == "delta" and full.delta == "full", (delta.delta, full.delta)
                 rows.append(
                     {
                         "step": step,
@@ -121,16 +125,15 @@ def bench_delta(args: argparse.Namespace, topology: Any, sync_group: Any) -> dic
                         "full_s": _sync_seconds(full),
                         "delta_phases": delta.seconds,
                         "delta_send": delta.send_seconds,
-                        "engine_stats": engine.collective_rpc("vime_weight_update_stats")[0],
-                        "verified": delta.verified,
+                        "engine_stats": delta_engine,  # the delta sync's, on the worker
+                        "verified": delta.verified and full.verified,
                     }
                 )
                 logger.info("lr %g step %d: %s", lr, step, {k: rows[-1][k] for k in
                             ("changed_fraction", "delta_bytes", "full_bytes", "delta_s",
                              "full_s")})  # fmt: skip
             runs.append({"lr": lr, "steps": rows})
-        delta_sync.close()
-        full_sync.close()
+        sync.close()
     figures["runs"] = runs
     if dist.get_rank() == 0:
         out = Path(args.out)

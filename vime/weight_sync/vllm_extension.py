@@ -78,14 +78,15 @@ class VimeWorkerExtension:
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "stats", {}))
 
-    def vime_end_open_update(self) -> bool:
+    def vime_end_open_update(self) -> dict[str, bool]:
         """End a weight update left open (its trainer died between start and finish): vLLM
         refuses a new start while one is open. Layers that got no weights keep their previous
-        tensors; the engine's weight version label is unchanged. Whether one was open."""
+        tensors; the engine's weight version label is unchanged. {"ended": whether one was
+        open} (a dict: /collective_rpc turns a bare bool into the string "False")."""
         if not getattr(self, "_weight_update_active", False):
-            return False
+            return {"ended": False}
         self.finish_weight_update()  # type: ignore[attr-defined]
-        return True
+        return {"ended": True}
 
     def vime_weight_checksums(self) -> dict[str, str]:
         """{HF name: sha256 hex of this worker's part's bytes} for every weight it serves."""

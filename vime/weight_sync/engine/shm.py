@@ -37,8 +37,11 @@ class ShmUpdateInfo(WeightTransferUpdateInfo):
     def __post_init__(self) -> None:
         self.parsed = parse_buckets(self.buckets)
         self.shm_names: list[str] = []
-        for bucket in self.buckets:
+        for bucket, parsed in zip(self.buckets, self.parsed, strict=True):
             name = bucket.get("shm_name")
+            if parsed.nbytes == 0 and name == "":  # no bytes, no segment (a delta's commit)
+                self.shm_names.append("")
+                continue
             check_segment_name(name if isinstance(name, str) else repr(name))
             self.shm_names.append(str(name))
 

@@ -13,9 +13,10 @@ the first sync. Invariant: a segment is refilled only in a later sync than the o
 it, never within a sync. Within a sync an engine may still hold views of a bucket it has
 acknowledged (layerwise reload keeps a layer's weights until the whole layer has arrived,
 possibly from a later bucket), so every bucket of a sync has its own segment; finish_weight_update
-releases all views. After a failed sync, engines may not have let go: `discard()` (called on any
-error here, and by the updater when a session fails) drops every segment, and the next sync
-starts with fresh ones.
+releases all views. A segment a sync did not use is dropped by both sides when it ends (a delta
+sync has fewer buckets than a full one). After a failed sync, engines may not have let go:
+`discard()` (called on any error here, and by the updater when a session fails) drops every
+segment, and the next sync starts with fresh ones.
 
 Sending is pipelined: the trainer packs bucket i+1 while the engines load bucket i.
 """
@@ -73,6 +74,10 @@ class _Segment:
     name: str
     mapping: torch.Tensor  # the trainer's shared, writable mapping of the whole segment
     linked: bool = True  # the name still exists in shm_dir (no engine has acknowledged it yet)
+
+
+# A bucket of no bytes (a delta's commit) needs no segment; engines map none for it.
+_EMPTY = _Segment(name="", mapping=torch.empty(0, dtype=torch.uint8), linked=False)
 
 
 class ShmTransport(Transport):
@@ -187,7 +192,7 @@ class ShmTransport(Transport):
         previous: tuple[_Segment, InFlightCalls] | None = None
         try:
             for bucket in buckets:
-                segment = self._segment_for(bucket)
+                segment = self._segment_for(bucket) if bucket.nbytes else _EMPTY
                 fill(bucket, segment.mapping[: bucket.nbytes])
                 if previous is not None:
                     self._acknowledged(*previous)
@@ -202,6 +207,12 @@ class ShmTransport(Transport):
                 previous[1].abandon()
             self.discard()
             raise
+        # Mirror of the engines' rule: a segment this sync did not use is dropped at its end
+        # (they unmap it at finish), so a later sync with more buckets (a full one after a
+        # delta) makes new segments instead of refilling ones the engines let go.
+        used = {bucket.index for bucket in buckets if bucket.nbytes}
+        for index in set(self._segments) - used:
+            self._unlink(self._segments.pop(index))
         return infos
 
     def _unlink(self, segment: _Segment) -> None:
