@@ -114,6 +114,9 @@ def test_new_version_salt_reads_no_kv_of_the_old_weights(engine_pool, tmp_path):
         unsalted = _generate(url, token, _prompt(1), None)
         assert unsalted.token_ids != fresh, "the old KV was not reused"
         assert set(unsalted.weight_versions) == {"1"}  # labelled new, computed partly by old
+        # The engine says so itself: the unsalted prompt reused the cached blocks.
+        assert salted.num_cached_tokens == 0
+        assert unsalted.num_cached_tokens is not None and unsalted.num_cached_tokens >= 256
         gaps = {
             "salted": _logprob_gap(new_model, _prompt(1), salted),
             "unsalted": _logprob_gap(new_model, _prompt(1), unsalted),

@@ -44,8 +44,9 @@ class CharTokenizer:
 class FakeClient:
     """Answers each request after a short sleep; counts concurrency; can abort first attempts."""
 
-    def __init__(self, *, versions=("3", "4"), num_aborts=0):
+    def __init__(self, *, versions=("3", "4"), num_aborts=0, num_cached_tokens=None):
         self.versions = versions
+        self.num_cached_tokens = num_cached_tokens
         self.num_aborts = num_aborts
         self.in_flight = 0
         self.max_in_flight = 0
@@ -90,6 +91,7 @@ class FakeClient:
             "stop",
             start,
             time.time(),
+            num_cached_tokens=self.num_cached_tokens,
         )
 
     async def close(self):
@@ -284,10 +286,17 @@ def test_requests_are_salted_with_the_served_version_and_stale_prefixes_are_set_
     assert set(client.salts) == {"vime-weights-4"}
     assert not any(s.stale_prefix for s in batch.samples)
     assert batch.metrics()["rollout/stale_prefix_fraction"] == 0.0
-    # Submitted while version 3 was served, first scheduled after the sync to 4.
-    client = FakeClient(versions=("4", "4"))
+    # Submitted while version 3 was served, first scheduled after the sync to 4, and its prompt
+    # KV partly from the cache (blocks only version-3-salted requests computed) or unknown.
+    for cached in (16, None):
+        client = FakeClient(versions=("4", "4"), num_cached_tokens=cached)
+        batch = asyncio.run(make_manager(client).generate_batch(0, weight_version=3))
+        assert all(s.stale_prefix for s in batch.samples)
+        packed = batch.pack(pad_token_id=0)
+        assert set(packed.token_versions[packed.loss_mask > 0].tolist()) == {-2}
+        assert batch.metrics()["rollout/stale_prefix_fraction"] == 1.0
+    # The same with no cached prompt token: its prompt was computed by version 4 alone.
+    client = FakeClient(versions=("4", "4"), num_cached_tokens=0)
     batch = asyncio.run(make_manager(client).generate_batch(0, weight_version=3))
-    assert all(s.stale_prefix for s in batch.samples)
-    packed = batch.pack(pad_token_id=0)
-    assert set(packed.token_versions[packed.loss_mask > 0].tolist()) == {-2}
-    assert batch.metrics()["rollout/stale_prefix_fraction"] == 1.0
+    assert not any(s.stale_prefix for s in batch.samples)
+    assert batch.metrics()["rollout/stale_prefix_fraction"] == 0.0

@@ -61,16 +61,20 @@ class RolloutSample:
     metadata: dict[str, Any] = field(default_factory=dict)
     on_failed_sync: bool = False
     num_aborted_retries: int = 0
-    # The version whose cache salt the request carried (None: unsalted). When its first token
-    # came from a later version, the request was scheduled after a sync it was submitted
-    # before, and its prompt's KV may have been computed by the older weights.
+    # The version whose cache salt the request carried (None: unsalted), and how many prompt
+    # tokens the engine took from its prefix cache (None: it did not say).
     salt_version: int | None = None
+    num_cached_tokens: int | None = None
 
     @property
     def stale_prefix(self) -> bool:
-        """Its prompt KV may come from another version than its first token."""
+        """Its prompt KV may be another version's than its first token: it was submitted before
+        a sync (salted with the older version), first scheduled after it, and reused cached
+        prefix blocks (which only requests of its own, older salt can have computed). Without
+        the engine's cached-token count, every such request counts."""
         first = self.weight_versions[0] if self.weight_versions else None
-        return self.salt_version is not None and first is not None and first != self.salt_version
+        moved = self.salt_version is not None and first is not None and first != self.salt_version
+        return moved and (self.num_cached_tokens is None or self.num_cached_tokens > 0)
 
     @property
     def oldest_version(self) -> int | None:

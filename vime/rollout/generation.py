@@ -71,10 +71,21 @@ class GenerationResult:
     finish_reason: str | None = None
     start_time: float = 0.0
     end_time: float = 0.0
+    # Prompt tokens whose KV came from the prefix cache (None: the engine does not say; vime's
+    # launcher starts engines with --enable-prompt-tokens-details, and with streaming it comes
+    # only with stream_options.include_usage).
+    num_cached_tokens: int | None = None
 
     @property
     def aborted(self) -> bool:
         return self.finish_reason == "abort"
+
+
+def _cached_tokens(body: dict[str, Any], default: int | None = None) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens of a response, if it has one."""
+    details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens")
+    return int(cached) if isinstance(cached, int) else default
 
 
 def _add_choices(result: GenerationResult, choices: list[dict[str, Any]]) -> list[dict] | None:
@@ -305,7 +316,9 @@ class GenerationClient:
                     body = (await response.text())[:2000]
                     raise GenerationError(f"POST {endpoint} -> HTTP {response.status}: {body}")
                 if not payload["stream"]:
-                    spans = _add_choices(result, (await response.json())["choices"])
+                    body = await response.json()
+                    spans = _add_choices(result, body["choices"])
+                    result.num_cached_tokens = _cached_tokens(body)
                     return self._finish(endpoint, result, spans)
                 async for raw_line in response.content:
                     line = raw_line.strip()
@@ -318,6 +331,7 @@ class GenerationClient:
                     if "error" in chunk:
                         raise GenerationError(f"POST {endpoint}: stream error {chunk['error']}")
                     spans = _add_choices(result, chunk["choices"]) or spans
+                    result.num_cached_tokens = _cached_tokens(chunk, result.num_cached_tokens)
                     if on_tokens is not None:
                         on_tokens(result)
         except aiohttp.ClientError as exc:

@@ -127,6 +127,9 @@ def build_server_command(
         str(config.tensor_parallel_size),
         # Registers /inference/v1/generate: token ids in; ids, log-probs, weight versions out.
         "--enable-scale-out",
+        # usage.prompt_tokens_details.cached_tokens in every response: whether a request's
+        # prompt KV came from the prefix cache (the RL job's stale-prefix check).
+        "--enable-prompt-tokens-details",
     ]
     if config.enforce_eager:
         cmd.append("--enforce-eager")
