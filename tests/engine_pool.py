@@ -67,6 +67,7 @@ class EnginePool:
 
     def _reset(self, backend: str) -> None:
         engine = self._engines[backend]
+        engine.collective_rpc("vime_end_open_update")  # a module's trainer that died mid-sync
         if engine.is_paused():
             engine.continue_generation()
         engine.collective_rpc(

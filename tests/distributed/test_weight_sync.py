@@ -104,6 +104,11 @@ def tp2_run(servers, model_dir, tmp_path_factory):
         SyncStep("gloo", a, version=10),
         SyncStep("shm", b, version=10),
         SyncStep("gloo", a, version=11),
+        # Delta syncs from TP2 ranks (each tensor gathered whole on the sender, then encoded).
+        SyncStep("gloo", a, version=12, delta=True),
+        SyncStep("gloo", a, version=13, delta=True, changed_fraction=0.01),
+        SyncStep("shm", b, version=12, delta=True),
+        SyncStep("shm", b, version=13, delta=True, changed_fraction=0.01),
     )
     job = SyncJob(model_dir=model_dir, tp=2, steps=steps)
     return run_sync_job(job, 2, tmp_path_factory.mktemp("tp2"))
@@ -234,7 +239,7 @@ def test_sender_killed_mid_delta_leaves_the_previous_weights_then_a_full_sync(
 
 @pytest.mark.parametrize(
     ("run", "step_indices"),
-    [("tp1_run", (0, 1, 4, 5)), ("tp2_run", (0, 1, 2)), ("pp2_run", (0, 1, 2))],
+    [("tp1_run", (0, 1, 4, 5)), ("tp2_run", tuple(range(7))), ("pp2_run", (0, 1, 2))],
     ids=["tp1pp1", "tp2pp1", "tp1pp2"],
 )
 def test_sync_serves_exact_trainer_weights(
@@ -251,6 +256,10 @@ def test_sync_serves_exact_trainer_weights(
         assert next(iter(exported[2].values())).dtype == torch.bfloat16
     transports = {records[i]["step"].transport for i in step_indices}
     assert transports == {"gloo", "shm"}
+    if run == "tp2_run":  # checked above: the deltas are exact, like the full syncs
+        assert [records[i]["report"].delta for i in range(3, 7)] == ["full", "delta"] * 2
+        assert all(records[i]["report"].num_bytes < 0.1 * records[3]["report"].num_bytes
+                   for i in (4, 6))  # fmt: skip
 
 
 def test_request_in_flight_continues_on_new_weights(tp1_run):

@@ -88,6 +88,11 @@ def trainer_tp2_run(urls, model_dir, tmp_path_factory):
         SyncStep("gloo", g2, version=10),
         SyncStep("shm", s2, version=10),
         SyncStep("gloo", mixed, version=11),
+        # Delta syncs into TP=2 engines: each worker patches whole tensors and loads its slices.
+        SyncStep("gloo", g2, version=12, delta=True),
+        SyncStep("gloo", g2, version=13, delta=True, changed_fraction=0.01),
+        SyncStep("shm", s2, version=12, delta=True),
+        SyncStep("shm", s2, version=13, delta=True, changed_fraction=0.01),
     )
     job = SyncJob(model_dir=model_dir, tp=2, steps=steps)
     return run_sync_job(job, 2, tmp_path_factory.mktemp("trainer-tp2"), timeout_s=400)
@@ -102,7 +107,9 @@ def test_tp2_engines_serve_exact_trainer_slices(request, run, hf, checkpoint):
             # The TP=2 engines' workers really hold halves: some tensors are sliced.
             sliced = [m for m in engine["metadata"][-1] if m["shard"] is not None]
             assert bool(sliced) == (len(engine["metadata"]) == 2), engine["url"]
-    assert [r["step"].transport for r in records] == ["gloo", "shm", "gloo"]
+    assert [r["step"].transport for r in records[:3]] == ["gloo", "shm", "gloo"]
+    if run == "trainer_tp2_run":
+        assert [r["report"].delta for r in records[3:]] == ["full", "delta"] * 2
     mixed = records[2]
     assert [len(engine["metadata"]) for engine in mixed["engines"]] == [1, 2]
     # shm: one update_weights request per bucket per engine, each loaded by both workers.

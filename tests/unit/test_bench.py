@@ -187,3 +187,20 @@ def test_repack_probe_repacks_the_weights_vllm_repacks(monkeypatch):
     untied = linear_weights({**weights, "lm_head.weight": torch.randn(64, 32)})
     assert not any(t is weights["model.embed_tokens.weight"] for t in untied)
     assert len(untied) == 3  # the head, not the embedding
+
+
+def test_delta_table_reads_the_committed_figures():
+    """`vime bench-sync --delta`'s table from the JSON docs/benchmarks.md quotes."""
+    import json
+    from pathlib import Path
+
+    from vime.bench.delta import format_delta
+
+    path = Path(__file__).resolve().parents[2] / "docs" / "bench" / "bench_delta.json"
+    figures = json.loads(path.read_text())
+    table = format_delta(figures).splitlines()
+    assert len(table) == 3 + len(figures["runs"])
+    for run, row in zip(figures["runs"], table[3:], strict=True):
+        assert row.startswith(f"| {run['lr']:g} | {len(run['steps'])} | ")
+        assert all(step["verified"] for step in run["steps"])
+        assert all(step["delta_bytes"] < step["full_bytes"] for step in run["steps"])

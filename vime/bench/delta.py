@@ -64,9 +64,7 @@ def _sync_seconds(report: Any) -> float:
 def bench_delta(args: argparse.Namespace, topology: Any, sync_group: Any) -> dict[str, Any]:
     """Run the benchmark on this rank (world of one); rank 0 writes and prints the figures."""
     from vime.bench.sync_setup import build_trainer, pin_trainer, running_engine, unpin
-    from vime.config import WeightSyncConfig
     from vime.testing.tiny_model import build_tiny_model
-    from vime.weight_sync.updater import WeightUpdater
 
     dtype = "bfloat16"
     model_dir = Path(args.model_root) / f"bench-{args.preset}-{dtype}"
@@ -78,23 +76,9 @@ def bench_delta(args: argparse.Namespace, topology: Any, sync_group: Any) -> dic
     with running_engine(args, model_dir, dtype, transport) as engine:
         pin_trainer()
 
-        config = WeightSyncConfig(
-            transport={"kind": transport, "delta": True},
-            update_weight_buffer_size=args.bucket_mib * 1024**2,
-            verify_checksums=True,
-            transfer_timeout_s=900,
-            barrier_timeout_s=900,
-        )
-        sync = WeightUpdater(
-            config=config,
-            engines=[engine],
-            model=trainer.model,
-            converter=trainer.converter,
-            topology=trainer.topology,
-            gather_groups=trainer.groups,
-            sync_group=trainer.sync_group,
-        )
-        sync.connect()
+        transport_config = {"kind": transport, "delta": True}
+        bucket_bytes = args.bucket_mib * 1024**2
+        sync = trainer.updater(transport_config, engine, bucket_bytes, 0, verify_checksums=True)
         sync.update_weights()  # the first sync is full: the engine's baseline
         runs = []
         for lr in args.delta_lrs:

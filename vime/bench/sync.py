@@ -240,6 +240,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="all",
         help="engine.cpu_sync_load_cores: load on every core during a sync, or the worker's own",
     )
+    parser.add_argument(
+        "--engine-url",
+        nargs="*",
+        default=[],
+        metavar="TRANSPORT=URL",
+        help="attach to a running engine for that transport instead of launching one (its "
+        "token, if any, in $VIME_ENGINE_TOKEN); it must serve the bench model's architecture",
+    )
     parser.add_argument("--out", default="runs/bench-sync", help="JSON, engine logs, disk files")
     parser.add_argument(
         "--delta",
@@ -251,6 +259,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--delta-steps", type=int, default=5, help="optimizer steps per lr")
     parser.add_argument("--model-root", default="models", help="where checkpoints are built")
     args = parser.parse_args(argv)
+    args.engine_urls = {}
+    for item in args.engine_url:
+        transport, sep, url = item.partition("=")
+        if not sep or transport not in BENCH_TRANSPORTS or not url.startswith("http"):
+            parser.error(
+                f"--engine-url {item!r}: write TRANSPORT=URL, e.g. shm=http://127.0.0.1:8000"
+            )
+        args.engine_urls[transport] = url
     if args.iterations < 1 or args.warmup < 0 or args.control_iterations < 1:
         parser.error(
             "need --iterations >= 1, --control-iterations >= 1 and --warmup >= 0, got "

@@ -151,7 +151,7 @@ def quartiles(values: list[float]) -> tuple[float, float]:
 
 
 def summarize(results: list[DtypeResult]) -> list[str]:
-    """The issue's ratios, each one line."""
+    """The targets' ratios (shm and gloo to the memcpy floor, disk to shm), each one line."""
     lines = []
     for result, label in zip(results, result_labels(results), strict=True):
         means = {m.method: m.typical() for m in result.measurements}

@@ -116,6 +116,13 @@ def running_engine(
     engine = None
     url: list[str | None] = [None]
     unpin()
+    attached = getattr(args, "engine_urls", {}).get(transport)
+    if attached is not None:  # a running engine (--engine-url): attached on every rank, kept
+        config = config.model_copy(update={"auth_token": os.environ.get("VIME_ENGINE_TOKEN")})
+        engine = VLLMEngine(config, url=attached)
+        engine.init()
+        yield engine
+        return
     try:
         if rank == 0:
             log_dir = Path(args.out) / "engines" / f"{dtype}-{transport}"
@@ -153,13 +160,22 @@ class Trainer:
             for param in self.model.parameters():
                 param.neg_()
 
-    def updater(self, transport: str, engine: Any, bucket_bytes: int, version: int) -> Any:
+    def updater(
+        self,
+        transport: str | dict[str, Any],
+        engine: Any,
+        bucket_bytes: int,
+        version: int,
+        verify_checksums: bool = False,
+    ) -> Any:
+        """A connected WeightUpdater from this trainer into `engine`."""
         from vime.config import WeightSyncConfig
         from vime.weight_sync.updater import WeightUpdater
 
         config = WeightSyncConfig(
             transport=transport,
             update_weight_buffer_size=bucket_bytes,
+            verify_checksums=verify_checksums,
             transfer_timeout_s=900,
             barrier_timeout_s=900,
         )

@@ -190,6 +190,10 @@ def _run(
         topology=topology,
     )
     start_step = 0
+    if resumed is None and config.engine.external_urls:
+        # Attached engines may serve anything (another job's weights and labels): the trainer's
+        # weights go in as version 0 before the first request.
+        sync.update_weights(version=0)
     if resumed is not None:
         synced = sync.update_weights(version=resumed.weight_version)
         logger.info(
