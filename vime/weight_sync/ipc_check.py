@@ -133,7 +133,8 @@ def send_through_ipc(
 
 def qwen2_7b_shapes() -> dict[str, tuple[int, ...]]:
     """Qwen2.5-7B's HF tensors (28 layers, hidden 3584, GQA 28/4 heads, MLP 18944, vocab
-    152064, untied head): 7.6 B parameters, the model of the README's GPU projection."""
+    152064, untied head): 7.6 B parameters, the model of the GPU projection
+    (docs/benchmarks.md)."""
     hidden, mlp, kv, vocab = 3584, 18944, 512, 152064
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for layer in range(28):
