@@ -35,6 +35,7 @@ SEED_CHECK_TOKENS = 48  # continuation tokens compared with HF after a clear_cac
 GREEDY_TOKENS = 12
 PROMPT_IDS = (11, 22, 33, 44, 55)
 INFLIGHT_TOKENS = 1500  # long enough that the pause lands mid-request on 2 busy cores
+INFLIGHT_ATTEMPTS = 3  # syncs tried per in-flight step before its test sees the request outrun
 
 
 @dataclass(frozen=True)
@@ -252,24 +253,36 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
         last_sender = updater.is_sender and topology.pp_rank == topology.pp_size - 1
         if (step.fail_in_send or step.kill_in_send) and last_sender:
             _break_after_first_bucket(updater, kill=step.kill_in_send)
-        inflight = None
-        if rank == 0 and step.inflight:
-            inflight = InflightRequest(step.engine_urls[0])
-            inflight.wait_started()
-        try:
-            record["report"] = updater.update_weights(version=step.version)
-        except Exception as exc:
-            if not step.fail_in_send:
-                raise
-            record["error"] = f"{type(exc).__name__}: {exc}"
-            record["error_phase"] = getattr(exc, "phase", None)
-        if inflight is not None:
-            result = inflight.join()
-            record["inflight"] = {
-                "token_ids": result.token_ids,
-                "weight_versions": result.weight_versions,
-                "finish_reason": result.finish_reason,
-            }
+        # A step with a request in flight needs the pause to land while the request runs. On a
+        # loaded machine the request can outrun the sync's pause (all its tokens then carry the
+        # old version): the same sync (same weights, same version) is then repeated with a new
+        # request, at most INFLIGHT_ATTEMPTS times, every rank together; the record says how many.
+        for attempt in range(1, INFLIGHT_ATTEMPTS + 1):
+            inflight = None
+            if rank == 0 and step.inflight:
+                inflight = InflightRequest(step.engine_urls[0])
+                inflight.wait_started()
+            try:
+                record["report"] = updater.update_weights(version=step.version)
+            except Exception as exc:
+                if not step.fail_in_send:
+                    raise
+                record["error"] = f"{type(exc).__name__}: {exc}"
+                record["error_phase"] = getattr(exc, "phase", None)
+            outran = False
+            if inflight is not None:
+                result = inflight.join()
+                record["inflight"] = {
+                    "token_ids": result.token_ids,
+                    "weight_versions": result.weight_versions,
+                    "finish_reason": result.finish_reason,
+                    "attempts": attempt,
+                }
+                outran = str(step.version) not in result.weight_versions
+            flag = torch.tensor([int(outran)])
+            dist.broadcast(flag, src=0)
+            if not flag.item() or attempt == INFLIGHT_ATTEMPTS:
+                break
         # The weights just synced, exported by a separate gather (not through the updater).
         exported = {
             name: tensor.clone()
