@@ -31,7 +31,7 @@ from weight_sync_harness import (
 )
 
 from vime.rollout.vllm_engine import VLLMEngine
-from vime.utils.keeper import group_members, mapped_shm_files
+from vime.utils.process_group import group_members, mapped_shm_files
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 

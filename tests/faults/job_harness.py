@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from vime.utils.keeper import group_members, mapped_shm_files
 from vime.utils.net import free_port
+from vime.utils.process_group import group_members, mapped_shm_files
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KEEPER_LINE = re.compile(r"vime keeper (\d+): server pid (\d+)")

@@ -14,7 +14,7 @@ import time
 import pytest
 from job_harness import BackgroundJob, wait_for
 
-from vime.utils.keeper import group_members
+from vime.utils.process_group import group_members
 
 pytestmark = pytest.mark.faults
 

@@ -229,7 +229,7 @@ def test_stop_ends_the_group_when_its_leader_is_already_dead(tmp_path):
     import time
 
     from vime.rollout.server import ServerProcess
-    from vime.utils.keeper import group_members
+    from vime.utils.process_group import group_members
 
     process = subprocess.Popen(
         ["bash", "-c", "sleep 300 & sleep 300 & wait"], start_new_session=True

@@ -17,7 +17,8 @@ import uuid
 import pytest
 
 from vime.rollout.server import ServerProcess
-from vime.utils.keeper import group_members, mapped_shm_files, spawn_kept
+from vime.utils.keeper import spawn_kept
+from vime.utils.process_group import group_members, mapped_shm_files
 
 pytestmark = pytest.mark.unit
 
@@ -132,3 +133,49 @@ def test_keeper_sigkill_takes_the_server_with_it(shm_path, tmp_path):
     assert group_members(keeper.pid) == []
     assert not os.path.exists(keeper.temp_dir)  # stop deletes it instead
     # (The segment stays: only the dead server mapped it, and only the keeper had noted it.)
+
+
+def test_sigterm_with_preempt_grace_is_a_notice_then_the_group_ends(shm_path, tmp_path):
+    """engine.preemption_drain_s: the first SIGTERM keeps the server up for the grace and leaves
+    a notice the job reads; the group ends when the grace is over."""
+    with open(tmp_path / "log", "wb") as log:
+        keeper = spawn_kept(
+            [sys.executable, "-c", FAKE_SERVER, shm_path],
+            log_file=log,
+            grace_s=1,
+            preempt_grace_s=3,
+        )
+    server = ServerProcess(process=keeper, url="http://unused", log_path=tmp_path / "log")
+    try:
+        _started(keeper.pid, shm_path)
+        assert server.preemption_notice() is None
+        os.kill(keeper.pid, signal.SIGTERM)
+        _wait(lambda: server.preemption_notice() is not None, 5)
+        notice = server.preemption_notice()
+        assert notice is not None and 1.5 < notice["left_s"] <= 3.0, notice
+        assert len(group_members(keeper.pid)) == 3  # all still running
+        took = _wait(lambda: keeper.poll() is not None, 10)
+        assert group_members(keeper.pid) == []
+        assert not os.path.exists(shm_path)
+        assert "preempted (SIGTERM) 3 s ago" in (tmp_path / "log").read_text()
+        print(f"preemption notice -> group ended {took:.2f} s after the notice was read")
+    finally:
+        server.stop(grace_s=1)
+
+
+def test_stop_ends_a_preemptible_group_at_once(shm_path, tmp_path):
+    """vime's own stop (SIGINT) is never taken for a preemption notice."""
+    with open(tmp_path / "log", "wb") as log:
+        keeper = spawn_kept(
+            [sys.executable, "-c", FAKE_SERVER, shm_path],
+            log_file=log,
+            grace_s=1,
+            preempt_grace_s=300,
+        )
+    server = ServerProcess(process=keeper, url="http://unused", log_path=tmp_path / "log")
+    _started(keeper.pid, shm_path)
+    began = time.monotonic()
+    server.stop(grace_s=1)
+    assert time.monotonic() - began < 10
+    assert group_members(keeper.pid) == []
+    assert server.preemption_notice() is None

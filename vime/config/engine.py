@@ -133,6 +133,17 @@ class EngineConfig(StrictModel):
             "False: the job stops with an error naming the engine."
         ),
     )
+    preemption_drain_s: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "> 0: a SIGTERM to a launched engine's keeper (the leader of its process group) is "
+            "a preemption notice: the engine keeps serving this many seconds while the job "
+            "drains it (no new requests; those in flight finish, or are handed to the other "
+            "engines when the time runs out), then it leaves the fleet and ends. 0: SIGTERM "
+            "ends the engine at once (with fault_tolerance, it is restarted)."
+        ),
+    )
     watchdog_interval_s: float = Field(
         2.0, gt=0, description="How often the job probes each engine (GET /health, /is_paused)."
     )

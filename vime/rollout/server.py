@@ -24,8 +24,10 @@ from vime.cluster.addresses import HOST_IP_ENV
 from vime.config import EngineConfig
 from vime.rollout import auth
 from vime.rollout.cpu_binding import cpu_core_binding, sync_load_cores
-from vime.utils.keeper import KeptProcess, end_group, spawn_kept
+from vime.utils.keeper import KeptProcess, spawn_kept
 from vime.utils.net import free_port, is_loopback
+from vime.utils.preemption import read_notice
+from vime.utils.process_group import end_group
 from vime.weight_sync.names import LOAD_CORES_ENV
 
 logger = logging.getLogger(__name__)
@@ -228,14 +230,19 @@ class ServerProcess:
             return None
         return pids[0] if pids else None
 
+    def preemption_notice(self) -> dict[str, float] | None:
+        """{"age_s", "left_s"} of the keeper's preemption notice (vime.utils.preemption)."""
+        return read_notice(getattr(self.process, "temp_dir", None))
+
     def stop(self, grace_s: float = 15.0) -> None:
         """End the server's whole process group, whatever the leader's state.
 
-        SIGTERM to the keeper, which ends the group and unlinks the segments its processes
-        mapped; if the keeper is gone or does not finish in time, the group is ended from here.
+        SIGINT to the keeper (SIGTERM may be a preemption notice, see vime.utils.keeper), which
+        ends the group and unlinks the segments its processes mapped; if the keeper is gone or
+        does not finish in time, the group is ended from here.
         """
         try:
-            self.process.send_signal(signal.SIGTERM)
+            self.process.send_signal(signal.SIGINT)
         except ProcessLookupError:
             pass
         try:
@@ -268,7 +275,9 @@ def launch_server(
     cmd, env = build_server_command(config, port, rank, host, node, token)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
-        process = spawn_kept(cmd, env=env, log_file=log_file)
+        process = spawn_kept(
+            cmd, env=env, log_file=log_file, preempt_grace_s=config.preemption_drain_s
+        )
     server = ServerProcess(
         process=process, url=f"http://{host}:{port}", log_path=log_path, token=token
     )

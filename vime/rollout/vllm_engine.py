@@ -163,6 +163,11 @@ class VLLMEngine:
             self._server.stop()
             self._server = None
 
+    def preemption_notice(self) -> dict[str, float] | None:
+        """A launched engine's preemption notice (engine.preemption_drain_s): {"age_s",
+        "left_s"}, or None (none came, or the server is not this process's)."""
+        return self._server.preemption_notice() if self._server is not None else None
+
     def health(self) -> bool:
         try:
             request_json("GET", f"{self.url}/health", timeout_s=5.0, headers=self.auth_headers())

@@ -8,11 +8,15 @@ in the same process group and watches, every POLL_S:
   owner dies, however it died, the keeper is re-parented, and ends the group;
 - the server. When the api_server dies, vLLM leaves its EngineCore, workers and resource tracker
   running; the keeper ends them.
-- SIGTERM / SIGINT / SIGHUP: end the group (what `ServerProcess.stop` sends).
+- SIGINT / SIGHUP: end the group (`ServerProcess.stop` sends SIGINT). SIGTERM too, unless the
+  keeper runs with --preempt-grace-s G > 0: then the first SIGTERM is a preemption notice (what a
+  scheduler sends before it takes the node). The keeper writes it (vime.utils.preemption) in the
+  server's TMPDIR, where the job reads it and drains the engine, and ends the group G s later,
+  or at once on SIGINT, SIGHUP or a second SIGTERM.
 
-Ending the group: note the /dev/shm files its processes map (vLLM's `psm_*` message queues,
-`vllm_dist_*` TP communicators, `sem.mp-*`), SIGTERM them, SIGKILL what is left after the grace,
-then unlink those files: a SIGKILLed vLLM never unlinks its own segments.
+Ending the group (vime.utils.process_group): note the /dev/shm files its processes map (vLLM's
+`psm_*` message queues, `vllm_dist_*` TP communicators, `sem.mp-*`), SIGTERM them, SIGKILL what
+is left after the grace, then unlink those files: a SIGKILLed vLLM never unlinks its own segments.
 
 The server runs with a private TMPDIR that the keeper makes and deletes when the group has ended:
 vLLM leaves a `vllm_dist_*` rendezvous file in the temp directory at every start (its
@@ -34,117 +38,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
 from typing import Any
+
+from vime.utils.preemption import write_notice
+from vime.utils.process_group import end_group, group_members, mapped_shm_files
 
 POLL_S = 0.2
 SPAWN_TIMEOUT_S = 60.0
 SEGMENT_SCAN_EVERY = 5  # polls: the group's mapped /dev/shm files are noted once a second
-SHM_DIR = "/dev/shm"
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_PDEATHSIG = 1
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group `pgid`, read from /proc."""
-    members = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        # After the command: state, ppid, pgrp, ...
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry.name))
-    return members
-
-
-def mapped_shm_files(pids: list[int], shm_dir: str = SHM_DIR) -> set[str]:
-    """Paths under shm_dir that these processes map and that still exist (linked)."""
-    prefix = shm_dir.rstrip("/") + "/"
-    paths: set[str] = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps") as maps:
-                lines = maps.read().splitlines()
-        except OSError:
-            continue
-        for line in lines:
-            parts = line.split(maxsplit=5)
-            if len(parts) == 6 and parts[5].startswith(prefix) and "(deleted)" not in parts[5]:
-                paths.add(parts[5])
-    return paths
-
-
-def unlink_owned(paths: set[str]) -> list[str]:
-    """Unlink those of `paths` this user owns; return the ones removed."""
-    removed = []
-    for path in sorted(paths):
-        try:
-            if os.lstat(path).st_uid != os.getuid():
-                continue
-            os.unlink(path)
-            removed.append(path)
-        except OSError:
-            continue
-    return removed
-
-
-def end_group(
-    pgid: int,
-    grace_s: float,
-    reap: Callable[[], object] = lambda: None,
-    seen_segments: Iterable[str] = (),
-) -> list[str]:
-    """SIGTERM every process of group `pgid` but this one, SIGKILL what is left after grace_s,
-    then unlink the /dev/shm files they map, and `seen_segments` (mapped earlier by members
-    that are gone now). Returns the unlinked paths."""
-    me = os.getpid()
-
-    def others() -> list[int]:
-        reap()
-        return [pid for pid in group_members(pgid) if pid != me]
-
-    segments = set(seen_segments) | mapped_shm_files(others())
-
-    def signal_and_wait(
-        sig: int, pids: Callable[[], list[int]], wait_s: float, until: Callable[[], list[int]]
-    ) -> None:
-        for pid in pids():
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait_s
-        while until() and time.monotonic() < deadline:
-            segments.update(mapped_shm_files(others()))  # segments made during shutdown
-            time.sleep(0.05)
-
-    def trackers() -> list[int]:
-        return [pid for pid in others() if _is_resource_tracker(pid)]
-
-    def served() -> list[int]:
-        return [pid for pid in others() if not _is_resource_tracker(pid)]
-
-    # Python's resource tracker ignores SIGTERM and, once every process it serves is gone,
-    # unlinks the semaphores and segments they registered and exits: it is waited for, and
-    # SIGKILLed, last.
-    signal_and_wait(signal.SIGTERM, others, grace_s, until=served)
-    signal_and_wait(signal.SIGKILL, served, 5.0, until=served)
-    signal_and_wait(signal.SIGCONT, trackers, 3.0, until=trackers)
-    signal_and_wait(signal.SIGKILL, others, 5.0, until=others)
-    return unlink_owned(segments)
-
-
-def _is_resource_tracker(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            return b"multiprocessing.resource_tracker" in cmdline.read()
-    except OSError:
-        return False
 
 
 class KeptProcess:
@@ -185,6 +88,7 @@ def spawn_kept(
     log_file: Any = None,
     grace_s: float = 5.0,
     remove_dir: str | None = None,
+    preempt_grace_s: float = 0.0,
 ) -> KeptProcess:
     """Start `cmd` under a keeper owned by this process; stdout and stderr go to `log_file`.
 
@@ -199,6 +103,8 @@ def spawn_kept(
     keeper += ["--temp-dir", temp_dir]
     if remove_dir:
         keeper += ["--remove-dir", remove_dir]
+    if preempt_grace_s > 0:
+        keeper += ["--preempt-grace-s", str(preempt_grace_s)]
     try:
         first = subprocess.Popen(
             [*keeper, "--report-fd", str(write_end), "--grace-s", str(grace_s), "--", *cmd],
@@ -278,19 +184,30 @@ def run(
     owner_fd: int | None = None,
     remove_dir: str | None = None,
     temp_dir: str | None = None,
+    preempt_grace_s: float = 0.0,
 ) -> int:
     """Run `cmd`, watch it and `owner` (via `owner_fd`, a pidfd, when given; else as the parent);
-    end the group when either ends or on SIGTERM. The exit code says why.
+    end the group when either ends or on a stop signal (a SIGTERM with `preempt_grace_s` > 0:
+    `preempt_grace_s` later, see the module's docstring). The exit code says why.
 
     `temp_dir`: the server's TMPDIR (made here when None); deleted once the group has ended."""
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     stop_signal: list[int] = []
+    preempted_at: list[float] = []  # monotonic time of the preemption notice
 
     def on_signal(signum: int, _frame: object) -> None:
+        if signum == signal.SIGTERM and preempt_grace_s > 0 and not preempted_at:
+            preempted_at.append(time.monotonic())
+            return
         stop_signal.append(signum)
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    for sig in stop_signals:
         signal.signal(sig, on_signal)
+    # A blocked signal is never handled, and the mask is inherited through fork and exec: a
+    # keeper spawned from a Ray actor's thread had SIGINT blocked (ServerProcess.stop then waited
+    # out its grace and ended the group from outside).
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="vime-engine-tmp-")
     env = {**os.environ, "TMPDIR": temp_dir}
     if "TORCHINDUCTOR_CACHE_DIR" not in env:
@@ -303,7 +220,7 @@ def run(
     )
     code = 0
     seen_segments: set[str] = set()
-    polls = 0
+    polls = polls_since_notice = 0
     while True:
         if polls % SEGMENT_SCAN_EVERY == 0:
             # Segments of members that die later (a SIGKILLed api_server) stay known.
@@ -312,6 +229,13 @@ def run(
         if stop_signal:
             reason = f"signal {signal.Signals(stop_signal[0]).name}"
             break
+        if preempted_at:
+            if polls_since_notice == 0:
+                write_notice(temp_dir, preempt_grace_s)
+            polls_since_notice += 1
+            if time.monotonic() - preempted_at[0] >= preempt_grace_s:
+                reason = f"preempted (SIGTERM) {preempt_grace_s:g} s ago"
+                break
         owner_gone = (
             select.select([owner_fd], [], [], 0)[0]
             if owner_fd is not None
@@ -358,6 +282,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--temp-dir", default=None, help="the server's TMPDIR, deleted at the end (default: new)"
     )
+    parser.add_argument(
+        "--preempt-grace-s",
+        type=float,
+        default=0.0,
+        help="> 0: a first SIGTERM is a preemption notice; the group ends this many s later",
+    )
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the server's argv")
     args = parser.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -365,7 +295,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give the server's command after --")
     owner = args.owner if args.owner is not None else os.getppid()
     owner_fd = detach(owner, args.report_fd) if args.report_fd is not None else None
-    sys.exit(run(cmd, args.grace_s, owner, owner_fd, args.remove_dir, args.temp_dir))
+    sys.exit(
+        run(
+            cmd, args.grace_s, owner, owner_fd, args.remove_dir, args.temp_dir, args.preempt_grace_s
+        )  # fmt: skip
+    )
 
 
 if __name__ == "__main__":
