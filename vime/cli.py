@@ -1,4 +1,4 @@
-"""The `vime` command: train, export, slurm, bench-sync, bench-loop."""
+"""The `vime` command: train, export, slurm, fleet, bench-sync, bench-loop."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ COMMANDS = {
     "bench-loop": ("vime.bench.loop", "step throughput of the sync vs the async RL loop"),
     "export": ("vime.export", "a trainer checkpoint as an HF checkpoint (safetensors)"),
     "slurm": ("vime.cluster.slurm", "render (--dry-run) or submit the multi-node sbatch job"),
+    "fleet": ("vime.job.fleet", "ask a running job to launch engines (join) or drain some (leave)"),
 }
 
 

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from vime.cluster.addresses import check_engines_reachable, node_address
 from vime.config import BroadcastTransportConfig, ClusterConfig, EngineConfig, WeightSyncConfig
 from vime.rollout.generation import GenerationClient, GenerationResult, SamplingConfig
+from vime.rollout.ray_engine import launch_or_attach
 from vime.utils.net import is_loopback
 from vime.weight_sync.session import SyncReport, WeightSyncError
 
@@ -104,6 +105,7 @@ class RolloutEngines:
         self.infos = infos  # where each engine runs (hostname, address, Ray node)
         self.group = group  # gloo group over every trainer rank
         self.launched = launched  # rank 0 launched them (and shuts them down)
+        self.retired: set[int] = set()  # engines that left the fleet
 
     @property
     def token(self) -> str | None:
@@ -142,7 +144,7 @@ class RolloutEngines:
             try:
                 if launched and config.auth_token is None:
                     config = config.model_copy(update={"auth_token": new_token()})
-                handles, urls, infos = _launch_or_attach(
+                handles, urls, infos = launch_or_attach(
                     config, cluster, address, log_dir, weight_sync.transfer_timeout_s
                 )
                 outcome = (urls, infos, config.auth_token, None)
@@ -203,16 +205,48 @@ class RolloutEngines:
             rendezvous_field="weight_sync.transport.master_address" if master else None,
         )
 
-    def _attach_clients(self) -> list[Any]:
-        """Ranks > 0: control-plane clients of the same servers, reached by URL."""
+    def _attach_clients(self, first: int = 0) -> list[Any]:
+        """Ranks > 0: control-plane clients of the same servers (from index `first`), by URL."""
         from vime.rollout.vllm_engine import VLLMEngine
 
         clients = []
-        for index, url in enumerate(self.urls):
+        for index, url in enumerate(self.urls[first:], start=first):
             client = VLLMEngine(self.config, rank=index, url=url)
             client.init()
             clients.append(client)
         return clients
+
+    # ---- an elastic fleet: engines join and leave; indices are never reused -------------------
+
+    def active(self) -> list[int]:
+        """Indices of the engines in the fleet (not retired)."""
+        return [i for i in range(len(self.urls)) if i not in self.retired]
+
+    def active_handles(self) -> list[Any]:
+        return [self.handles[i] for i in self.active()]
+
+    def admit(self, urls: list[str], infos: list[dict[str, str]], handles: list[Any]) -> list[int]:
+        """Every rank, with the same `urls` and `infos`: engines that joined (rank 0 launched
+        them: its `handles`; other ranks attach clients). Their indices. They take part in syncs
+        after the next `WeightSync.reconnect()`."""
+        first = len(self.urls)
+        self.urls += urls
+        self.infos += infos
+        if dist.get_rank(self.group) == 0:
+            self.handles += handles
+        else:
+            self.handles += self._attach_clients(first)
+        return list(range(first, len(self.urls)))
+
+    def retire(self, index: int) -> None:
+        """Every rank: engine `index` leaves the fleet (rank 0 ends it if this job launched it);
+        later syncs skip it after the next `WeightSync.reconnect()`."""
+        self.retired.add(index)
+        if dist.get_rank(self.group) == 0 and self.launched:
+            try:
+                self.handles[index].shutdown()
+            except Exception as exc:  # noqa: BLE001 (its keeper ends it with the job anyway)
+                logger.warning("engine %d shutdown: %s", index, exc)
 
     # ---- generation (rank 0) ----------------------------------------------------------------
 
@@ -243,7 +277,7 @@ class RolloutEngines:
             return
         from vime.cluster.ray_cluster import disconnect
 
-        for handle in self.handles:
+        for handle in self.active_handles():
             try:
                 handle.shutdown()
             except Exception as exc:  # noqa: BLE001 (each engine's keeper ends it anyway)
@@ -256,36 +290,6 @@ class RolloutEngines:
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
-
-
-def _launch_or_attach(
-    config: EngineConfig,
-    cluster: ClusterConfig,
-    address: str,
-    log_dir: str | Path | None,
-    call_timeout_s: float,
-) -> tuple[list[Any], list[str], list[dict[str, str]]]:
-    """Rank 0: engine handles, URLs, where each runs. Launched engines are Ray actors (RayEngine
-    wrappers); external ones are plain HTTP clients, checked to answer as vLLM in dev mode."""
-    import tempfile
-
-    from vime.rollout.ray_engine import launch_engines
-    from vime.rollout.vllm_engine import VLLMEngine
-
-    if config.external_urls:
-        urls_given = config.external_urls
-        clients = [VLLMEngine(config, rank=i, url=url) for i, url in enumerate(urls_given)]
-        urls = [client.init() for client in clients]
-        return clients, urls, [{"external": "true"} for _ in urls]
-
-    log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="vime-engines-"))
-    return launch_engines(
-        config,
-        cluster,
-        node_address=address,
-        log_dir=str(log_dir),
-        call_timeout_s=call_timeout_s,
-    )
 
 
 class WeightSync:
@@ -332,7 +336,7 @@ class WeightSync:
         )
         self.updater = WeightUpdater(
             config=self.config,
-            engines=engines.handles,
+            engines=engines.active_handles(),
             model=self.model,
             converter=self.converter,
             topology=self.topology,
@@ -366,8 +370,11 @@ class WeightSync:
         return self.updater.resync()
 
     def reconnect(self) -> None:
-        """Rebuild the transports to every engine (after an engine restarted); collective."""
+        """Rebuild the transports to every engine of the fleet (after an engine restarted,
+        joined or left: groups and rank offsets are recomputed); collective. The next sync is
+        full."""
         self.updater.close()
+        self.updater.engines = self.engines.active_handles()
         self.updater.connect()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

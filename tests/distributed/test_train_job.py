@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -46,20 +50,58 @@ def job_command(config: str, run_dir: Path, model_dir: Path, *overrides: str, np
     ]
 
 
-def run_job(config: str, tmp_path: Path, model_dir: Path, *overrides: str, nproc: int = 1):
+def run_job(
+    config: str,
+    tmp_path: Path,
+    model_dir: Path,
+    *overrides: str,
+    nproc: int = 1,
+    during: Callable[[Path, subprocess.Popen], None] | None = None,
+):
+    """Run the job to its end (`during(run_dir, process)` runs meanwhile); its metrics rows."""
     run_dir = tmp_path / "run"
     cmd = job_command(config, run_dir, model_dir, *overrides, nproc=nproc)
-    completed = subprocess.run(
-        cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ)
-    )
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-6000:]
+    with open(tmp_path / "job.out", "w+") as out:
+        process = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ)
+        )
+        try:
+            if during is not None:
+                during(run_dir, process)
+            returncode = process.wait(timeout=600)
+        finally:
+            if process.poll() is None:
+                process.kill()
+        out.seek(0)
+        assert returncode == 0, out.read()[-8000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return run_dir, rows
 
 
+def _preempt_engine_after_step(rank: int, step: int) -> Callable[[Path, subprocess.Popen], None]:
+    """SIGTERM engine `rank`'s keeper (a preemption notice) once step `step` is logged."""
+
+    def during(run_dir: Path, process: subprocess.Popen) -> None:
+        metrics, log = run_dir / "metrics.jsonl", run_dir / "engines" / f"vllm-engine-{rank}.log"
+        deadline = time.monotonic() + 500
+        while time.monotonic() < deadline and process.poll() is None:
+            rows = metrics.read_text().splitlines() if metrics.exists() else []
+            if len(rows) > step:
+                keepers = re.findall(r"vime keeper (\d+): server pid", log.read_text())
+                assert keepers, f"engine {rank} never started"
+                os.kill(int(keepers[-1]), signal.SIGTERM)
+                return
+            time.sleep(0.5)
+
+    return during
+
+
 def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny_model_dir):
-    """The README's main job (SFT warm start, then async GRPO), shortened, with delta syncs."""
-    num_steps, sft_steps = 4, 10
+    """The README's main job (SFT warm start, then async GRPO), shortened, with delta syncs and
+    an elastic fleet: two engines join before step 1's sync (the step waits for them); engine 0
+    is told to leave at step 2; engine 2 is preempted (SIGTERM to its keeper) once step 1 is
+    logged. Both drain and leave; the job ends on engine 1 alone."""
+    num_steps, sft_steps = 5, 10
     run_dir, rows = run_job(
         "tiny_cpu_sft_rl.yaml",
         tmp_path,
@@ -70,9 +112,33 @@ def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny
         "weight_sync.transport={kind: shm, delta: true}",
         "rollout.num_prompts_per_step=4",
         "rollout.num_samples_per_prompt=4",
+        "fleet.schedule=[{step: 1, join: 2, wait: true}, {step: 2, leave: [0]}]",
+        "engine.preemption_drain_s=120",
+        "cluster.engine_num_cpus=0.5",  # three engines on the local Ray node's 2 CPUs
+        during=_preempt_engine_after_step(2, step=1),
     )
     assert [row["step"] for row in rows] == list(range(num_steps))
     metrics = rows
+    # The fleet: engines 1 and 2 took step 1's sync (full, for all three) and then served.
+    # Engine 0 drained from step 2, engine 2 from its notice (no new request for either; what
+    # they held finished there), each leaving at the first safe point after its last request.
+    sizes = [m["fleet/size"] for m in metrics]
+    serving = [m["fleet/serving"] for m in metrics]
+    assert sizes[:2] == [1, 3] and sizes[-1] == 1, sizes
+    assert all(a >= b for a, b in zip(sizes[1:], sizes[2:], strict=False)), sizes
+    assert serving[:2] == [1, 3] and serving[-1] == 1, serving
+    last = metrics[-1]
+    assert (last["fleet/joins"], last["fleet/leaves"], last["fleet/preempted"]) == (2, 2, 1)
+    assert last["fleet/handed_over"] == 0
+    # A sync after the fleet changed is full (groups rebuilt), every other RL sync a delta.
+    changed = [False] + [a != b for a, b in zip(sizes, sizes[1:], strict=False)]
+    assert [m["sync/delta"] for m in metrics] == [0.0 if c else 1.0 for c in changed], metrics
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert len(summary["fleet_join_to_serve_s"]) == 2 and len(summary["fleet_drain_s"]) == 2
+    # Engine 2 left because the job drained it (vime's stop, SIGINT), within its 120 s grace.
+    engine2 = (run_dir / "engines" / "vllm-engine-2.log").read_text()
+    assert "preemption notice" in engine2 and "signal SIGINT; ending process group" in engine2
+    assert "preempted (SIGTERM)" not in engine2
     # The supervised stage: its loss fell, and its weights went to the engine as version 1.
     sft = [json.loads(line) for line in (run_dir / "sft.jsonl").read_text().splitlines()]
     assert [row["step"] for row in sft] == list(range(sft_steps))
@@ -80,12 +146,12 @@ def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny
     # The engine's version advances once per step and its weights equal the trainer's each time.
     assert [m["sync/weight_version"] for m in metrics] == list(range(2, num_steps + 2))
     assert all(m["sync/verified"] == 1.0 for m in metrics)
-    # The SFT weights went in full (the engine's baseline), every RL step as a delta: exact all
+    # The SFT weights went in full (the engine's baseline), the RL steps as deltas: exact all
     # the same (checksums), and the rows of tokens no sample used stay unchanged (AdamW moves no
     # element whose gradient and moments are zero).
-    assert all(m["sync/delta"] == 1.0 for m in metrics)
-    assert all(0.0 < m["sync/changed_fraction"] < 1.0 for m in metrics)
-    assert all(m["sync/bytes"] < m["sync/full_bytes"] for m in metrics)
+    deltas = [m for m in metrics if m["sync/delta"] == 1.0]
+    assert all(0.0 < m["sync/changed_fraction"] < 1.0 for m in deltas)
+    assert all(m["sync/bytes"] < m["sync/full_bytes"] for m in deltas)
     # The online proof that sync is exact: tokens sampled by the weights the trainer holds get the
     # same log-prob in the trainer as in the engine (fp32, same kernels up to reduction order).
     same = [

@@ -74,13 +74,16 @@ def connect(
     node_address: str,
     runtime_env: dict[str, Any] | None = None,
 ) -> bool:
-    """Join the configured cluster, or start a local one; True when this process started it.
+    """Join the configured cluster, or start a local one; True when this process started it
+    (False too when this process is connected already).
 
-    `node_address`: this node's address; on a node with several Ray nodes (one machine holding
-    test nodes) it picks the raylet of this node.
+        `node_address`: this node's address; on a node with several Ray nodes (one machine holding
+        test nodes) it picks the raylet of this node.
     """
     import ray
 
+    if ray.is_initialized():  # engines joining a running job: its driver is connected
+        return False
     address = ray_address(cluster)
     common = dict(
         namespace=job.namespace,
@@ -177,15 +180,17 @@ def engine_bundle(cluster: ClusterConfig) -> dict[str, float]:
     return {name: amount for name, amount in bundle.items() if amount > 0}
 
 
-def place_engines(cluster: ClusterConfig, job: JobIdentity, num_engines: int) -> Any:
-    """A ready placement group of one engine bundle per engine; TimeoutError says what's free."""
+def place_engines(
+    cluster: ClusterConfig, job: JobIdentity, num_engines: int, first_rank: int = 0
+) -> Any:
+    """A ready placement group of one engine bundle per engine (engines `first_rank`.. of the
+    job: engines that join later get a group of their own); TimeoutError says what's free."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
     bundles = [engine_bundle(cluster) for _ in range(num_engines)]
-    group = placement_group(
-        bundles, strategy=cluster.placement_strategy, name=f"{job.namespace}-engines"
-    )
+    name = f"{job.namespace}-engines" + (f"-{first_rank}" if first_rank else "")
+    group = placement_group(bundles, strategy=cluster.placement_strategy, name=name)
     try:
         ray.get(group.ready(), timeout=cluster.placement_timeout_s)
     except ray.exceptions.GetTimeoutError:
@@ -214,9 +219,10 @@ def _free_resources() -> dict[str, dict[str, float]]:
 
 
 def engine_actor_options(
-    cluster: ClusterConfig, job: JobIdentity, group: Any, rank: int
+    cluster: ClusterConfig, job: JobIdentity, group: Any, rank: int, bundle_index: int | None = None
 ) -> dict[str, Any]:
-    """`.options(...)` of engine `rank`'s actor: its name, its bundle, exactly its resources."""
+    """`.options(...)` of engine `rank`'s actor: its name, its bundle (`bundle_index` in `group`,
+    default `rank`), exactly its resources."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     bundle = engine_bundle(cluster)
@@ -227,7 +233,8 @@ def engine_actor_options(
         num_gpus=bundle.get("GPU", 0),
         resources=custom or None,
         scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=group, placement_group_bundle_index=rank
+            placement_group=group,
+            placement_group_bundle_index=rank if bundle_index is None else bundle_index,
         ),
     )
 

@@ -10,6 +10,7 @@ from vime.config.base import StrictModel
 from vime.config.checkpoint import CheckpointConfig
 from vime.config.cluster import ClusterConfig
 from vime.config.engine import EngineConfig
+from vime.config.fleet import FleetConfig
 from vime.config.rl import EvalConfig, GRPOConfig, RolloutConfig, SFTConfig
 from vime.config.trainer import TrainerConfig
 from vime.config.weight_sync import WeightSyncConfig
@@ -60,6 +61,9 @@ class TrainConfig(StrictModel):
         default_factory=ClusterConfig,
         description="Ray cluster, node addresses, engine placement, Slurm job (`vime slurm`).",
     )
+    fleet: FleetConfig = Field(
+        default_factory=FleetConfig, description="Engines joining and leaving while the job runs."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -106,6 +110,11 @@ class TrainConfig(StrictModel):
                 f"weight_sync.barrier_timeout_s={self.weight_sync.barrier_timeout_s:g}: the other "
                 "trainer ranks wait at a barrier while rank 0 evaluates; lower the first or raise "
                 "the second"
+            )
+        if self.fleet.schedule and self.engine.external_urls:
+            raise ValueError(
+                "fleet.schedule launches and ends engines, which vime cannot do for "
+                "engine.external_urls: launch the engines from the job or remove the schedule"
             )
         if self.engine.fault_tolerance and self.engine.external_urls:
             raise ValueError(

@@ -42,6 +42,7 @@ class Job:
     evaluate: Evaluator
     report: Reporter
     recovery_metrics: Any = None  # rank 0 with fault tolerance: () -> dict
+    fleet: Any = None  # vime.job.fleet.Fleet: engines joining and leaving
 
     def submit(self, step: int) -> Any:
         """Rank 0: start generating step `step`'s batch (None elsewhere), its requests salted
@@ -74,8 +75,14 @@ def run_loop(job: Job) -> dict[str, Any]:
         train_start = time.time()
         train = job.trainer.train_step(packed, weight_version=sync.weight_version)
         train_end = time.time()
+        if job.fleet is not None:
+            job.fleet.before_sync(step)  # engines join or leave here, never during a sync
         report = job.faults.update_weights()
         extra = job.recovery_metrics() if job.recovery_metrics else {}
+        if job.fleet is not None:
+            job.fleet.after_sync()  # joiners hold this sync's weights: they serve from now
+            if job.rank == 0:
+                extra.update(job.fleet.metrics())
         extra["train/param_fingerprint"] = job.trainer.param_fingerprint()
         job.report.step(
             step,

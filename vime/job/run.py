@@ -25,6 +25,7 @@ from vime.cluster.addresses import HOST_IP_ENV, node_address
 from vime.config import TrainConfig
 from vime.job.abort import abort
 from vime.job.faults import EngineRecovery, FaultTolerance, broadcast_object
+from vime.job.fleet import Fleet
 from vime.job.loop import Job, run_loop
 from vime.job.report import Reporter, write_summary
 from vime.job.stages import Evaluator
@@ -224,6 +225,14 @@ def _run(
         ).start()
         if recovery:
             recovery.watchdog = watchdog
+    fleet = Fleet(
+        config,
+        engines,
+        sync,
+        run_dir,
+        client=rollouts.client if rollouts is not None else None,
+        watchdog=watchdog,
+    )
     evaluate = Evaluator(config, rollouts, writer)
     report = Reporter(writer, num_steps=config.num_steps, start_step=start_step)
     job = Job(
@@ -241,11 +250,14 @@ def _run(
         evaluate=evaluate,
         report=report,
         recovery_metrics=recovery.metrics if recovery else None,
+        fleet=fleet,
     )
     summary: dict[str, Any] = {}
     try:
         summary = run_loop(job)
     finally:
+        fleet.close()
+        summary.update(fleet.summary())
         if watchdog is not None:
             watchdog.stop()  # before the engines end on purpose
         if recovery is not None:

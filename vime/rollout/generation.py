@@ -139,6 +139,9 @@ class GenerationClient:
         self.failure_wait_s = failure_wait_s
         self.num_resubmitted = 0
         self._down: set[str] = set()
+        # Engines leaving the fleet (`drain`): no new request goes to them, those in flight finish.
+        self._draining: set[str] = set()
+        self._num_engines = len(self.urls)  # including those add_engine has scheduled
         self._tasks: dict[str, set[asyncio.Task]] = {url: set() for url in self.urls}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
@@ -245,11 +248,48 @@ class GenerationClient:
     def mark_down(self, index: int) -> None:
         """Engine `index` is dead or stalled (any thread): its requests in flight are cancelled and
         resubmitted once an engine is up; nothing new goes to it until `mark_up`."""
-        self._call_in_loop(self._set_down, self.urls[index], True)
+        self._call_in_loop(lambda: self._set_down(self.urls[index], True))
 
     def mark_up(self, index: int) -> None:
         """Engine `index` serves the trainer's weights again (any thread)."""
-        self._call_in_loop(self._set_down, self.urls[index], False)
+        self._call_in_loop(lambda: self._set_down(self.urls[index], False))
+
+    # ---- an elastic fleet: engines join and leave while the job runs ---------------------------
+
+    def add_engine(self, url: str) -> int:
+        """A new engine, marked down until `mark_up` (it must first hold the trainer's weights);
+        its index. From the thread that owns the fleet (the change happens on the client's loop,
+        as every other change of its engines)."""
+        url = url.rstrip("/")
+        if url in self.urls:
+            raise ValueError(f"engine {url} is already engine {self.urls.index(url)}")
+        index, self._num_engines = self._num_engines, self._num_engines + 1
+        self._call_in_loop(self._add_engine, url)
+        return index
+
+    def _add_engine(self, url: str) -> None:
+        self._in_flight[url] = 0
+        self._tasks[url] = set()
+        self._down.add(url)
+        self.urls.append(url)
+
+    def drain(self, index: int) -> None:
+        """Engine `index` leaves: no new request goes to it; those in flight finish there (any
+        thread). Its index stays (engine indices are never reused)."""
+        self._call_in_loop(lambda: self._set_draining(self.urls[index]))
+
+    def num_in_flight(self, index: int) -> int:
+        return self._in_flight[self.urls[index]]
+
+    def serving(self) -> list[int]:
+        """Indices of the engines that take new requests now."""
+        return [i for i, url in enumerate(self.urls) if url not in self._down | self._draining]
+
+    def _set_draining(self, url: str) -> None:
+        self._draining.add(url)
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = asyncio.Event()
 
     def _call_in_loop(self, function: Callable[..., None], *args: Any) -> None:
         if self._loop is None:  # nothing generated yet: no loop, no task to cancel
@@ -275,10 +315,10 @@ class GenerationClient:
         while True:
             if engine_index is not None:
                 url = self._pick_engine(engine_index)
-                if url not in self._down:
+                if url not in self._down and url not in self._draining:
                     return url
             else:
-                up = [url for url in self.urls if url not in self._down]
+                up = [url for url in self.urls if url not in self._down | self._draining]
                 if up:
                     return min(up, key=lambda url: self._in_flight[url])
             assert self._changed is not None  # made with the loop above

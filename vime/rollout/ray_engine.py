@@ -68,13 +68,15 @@ def launch_engines(
     node_address: str,
     log_dir: str,
     call_timeout_s: float,
+    first_rank: int = 0,
 ) -> tuple[list[RayEngine], list[str], list[dict[str, str]]]:
     """Join (or start) the job's Ray cluster and bring up its engines as named actors.
 
     The engines are placed by a placement group (one bundle per engine, see
     vime.cluster.ray_cluster) and each serves on its own node's address (external engines need
     no Ray: `vime.plugin` reaches them by URL). Returns the engine handles, their URLs and where
-    each runs (node_info). On failure, every engine that came up is shut down.
+    each runs (node_info). On failure, every engine that came up is shut down. `first_rank`:
+    the job's index of the first of them (engines joining a running job come after the others).
     """
     if engine.external_urls:
         raise ValueError("launch_engines launches engines; external_urls are reached by URL")
@@ -96,15 +98,16 @@ def launch_engines(
         runtime_env={"env_vars": {"PYTHONPATH": _python_path()}},
     )
     actor_cls = ray.remote(VLLMEngine)
-    group = place_engines(cluster, job, engine.num_engines)
+    group = place_engines(cluster, job, engine.num_engines, first_rank)
+    ranks = range(first_rank, first_rank + engine.num_engines)
     actors = [
         actor_cls.options(
-            **engine_actor_options(cluster, job, group, rank),
+            **engine_actor_options(cluster, job, group, rank, bundle_index=rank - first_rank),
             # Threaded: restart() (fault tolerance) must run while a call is stuck on a
             # stalled engine.
             max_concurrency=4,
         ).remote(engine, rank=rank, log_dir=log_dir, interface=cluster.interface)
-        for rank in range(engine.num_engines)
+        for rank in ranks
     ]
     try:
         urls = ray.get([actor.init.remote() for actor in actors], timeout=startup_bound(engine))
@@ -113,7 +116,7 @@ def launch_engines(
         # An engine that failed stopped its own server; stop the ones that came up.
         ray.get([actor.shutdown.remote() for actor in actors], timeout=120)
         raise
-    for rank, (url, info) in enumerate(zip(urls, infos, strict=True)):
+    for rank, url, info in zip(ranks, urls, infos, strict=True):
         logger.info("engine %d at %s on %s", rank, url, info)
     engines = [
         RayEngine(actor, timeout_s=call_timeout_s, url=url)
@@ -136,3 +139,32 @@ def _python_path() -> str:
 def startup_bound(engine: EngineConfig) -> float:
     """How long launching (or reaching) every engine may take before the job gives up."""
     return engine.startup_timeout_s + 60
+
+
+def launch_or_attach(
+    config: EngineConfig,
+    cluster: ClusterConfig,
+    address: str,
+    log_dir: str | Path | None,
+    call_timeout_s: float,
+) -> tuple[list[Any], list[str], list[dict[str, str]]]:
+    """Rank 0: engine handles, URLs, where each runs. Launched engines are Ray actors (RayEngine
+    wrappers); external ones are plain HTTP clients, checked to answer as vLLM in dev mode."""
+    import tempfile
+
+    from vime.rollout.vllm_engine import VLLMEngine
+
+    if config.external_urls:
+        urls_given = config.external_urls
+        clients = [VLLMEngine(config, rank=i, url=url) for i, url in enumerate(urls_given)]
+        urls = [client.init() for client in clients]
+        return clients, urls, [{"external": "true"} for _ in urls]
+
+    log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="vime-engines-"))
+    return launch_engines(
+        config,
+        cluster,
+        node_address=address,
+        log_dir=str(log_dir),
+        call_timeout_s=call_timeout_s,
+    )

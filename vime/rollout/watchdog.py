@@ -136,6 +136,7 @@ class EngineWatchdog:
         self._progress_timeout_s = progress_timeout_s
         self._health_timeout_s = health_timeout_s
         self._stop = threading.Event()
+        self._unwatched: set[int] = set()  # engines that left the fleet
         self.failure: EngineFailedError | None = None  # the first one
 
     def start(self) -> EngineWatchdog:
@@ -148,6 +149,15 @@ class EngineWatchdog:
         threading.Thread(
             target=self._watch, args=(index,), daemon=True, name=f"vime-watch-{index}"
         ).start()
+
+    def add(self, url: str) -> int:
+        """A new engine (its index, as the generation client's); call `watch` once it serves."""
+        self.urls.append(url.rstrip("/"))
+        return len(self.urls) - 1
+
+    def unwatch(self, index: int) -> None:
+        """Engine `index` leaves on purpose: its end is not a failure."""
+        self._unwatched.add(index)
 
     def stop(self) -> None:
         self._stop.set()
@@ -163,7 +173,7 @@ class EngineWatchdog:
                 progress_timeout_s=self._progress_timeout_s,
                 interval_s=self._interval_s,
             )
-            if self._stop.is_set():
+            if self._stop.is_set() or index in self._unwatched:
                 return
             if found is None:
                 last_ok = time.monotonic()

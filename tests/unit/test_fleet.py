@@ -1,0 +1,102 @@
+"""The elastic fleet's pieces without engines: the generation client's routing as engines join
+and drain (against in-process stand-ins of /inference/v1/generate on loopback), the requests a
+running job reads, and the config's checks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pydantic
+import pytest
+from aiohttp import web
+
+from vime.config import FleetConfig, TrainConfig
+from vime.job.fleet import REQUESTS_FILE, request_change
+from vime.rollout.generation import GenerationClient, SamplingConfig
+
+pytestmark = pytest.mark.unit
+
+
+async def _engine(
+    name: str, served: list[str], release: asyncio.Event
+) -> tuple[web.AppRunner, str]:
+    """A stand-in engine: answers one token after `release`, noting who served."""
+
+    async def generate(request: web.Request) -> web.Response:
+        await release.wait()
+        served.append(name)
+        choice = {"token_ids": [7], "logprobs": {"content": [{"logprob": -0.1}]},
+                  "finish_reason": "length", "weight_versions": [{"start": 0, "end": 1,
+                                                                   "version": "1"}]}  # fmt: skip
+        return web.json_response({"choices": [choice]})
+
+    app = web.Application()
+    app.router.add_post("/inference/v1/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def test_joiners_serve_only_once_marked_up_and_drained_engines_finish_what_they_hold():
+    async def run() -> None:
+        served: list[str] = []
+        release = asyncio.Event()
+        (r0, url0), (r1, url1) = (
+            await _engine("e0", served, release),
+            await _engine("e1", served, release),
+        )
+        sampling = SamplingConfig(max_tokens=1)
+        try:
+            async with GenerationClient([url0]) as client:
+                index = client.add_engine(url1)
+                assert index == 1
+                await asyncio.sleep(0)  # the change lands on the client's loop
+                assert client.serving() == [0]  # down until it holds the trainer's weights
+                held = [asyncio.ensure_future(client.generate([1], sampling)) for _ in range(3)]
+                await asyncio.sleep(0.1)
+                assert client.num_in_flight(0) == 3
+                client.drain(0)
+                client.mark_up(1)
+                await asyncio.sleep(0)
+                assert client.serving() == [1]
+                new = [asyncio.ensure_future(client.generate([1], sampling)) for _ in range(4)]
+                await asyncio.sleep(0.1)
+                assert (client.num_in_flight(0), client.num_in_flight(1)) == (3, 4)
+                release.set()
+                results = await asyncio.gather(*held, *new)
+                assert [r.engine_url for r in results] == [url0] * 3 + [url1] * 4
+                assert client.num_in_flight(0) == 0
+                with pytest.raises(ValueError, match="already engine 1"):
+                    client.add_engine(url1 + "/")
+        finally:
+            await r0.cleanup()
+            await r1.cleanup()
+
+    asyncio.run(run())
+
+
+def test_fleet_requests_are_lines_the_job_reads(tmp_path):
+    with pytest.raises(ValueError, match="not a job's run_dir"):
+        request_change(tmp_path, join=1)
+    (tmp_path / "config.resolved.json").write_text("{}")
+    with pytest.raises(ValueError, match="join >= 1 or leave"):
+        request_change(tmp_path)
+    request_change(tmp_path, join=2)
+    request_change(tmp_path, leave=[0, 3])
+    lines = [json.loads(line) for line in (tmp_path / REQUESTS_FILE).read_text().splitlines()]
+    assert [(r["join"], r["leave"]) for r in lines] == [(2, []), (0, [0, 3])]
+
+
+def test_fleet_config_names_what_is_wrong():
+    with pytest.raises(pydantic.ValidationError, match="neither joins nor leaves"):
+        FleetConfig(schedule=[{"step": 3}])
+    base = {"engine": {"model_path": "/m"}, "rollout": {"prompts_path": "p.jsonl"}}
+    fleet = {"schedule": [{"step": 1, "join": 1}]}
+    with pytest.raises(pydantic.ValidationError, match="cannot do for engine.external_urls"):
+        external = {"model_path": "/m", "external_urls": ["http://h:1"]}
+        TrainConfig(**{**base, "fleet": fleet, "engine": external})
+    assert TrainConfig(**{**base, "fleet": fleet}).fleet.schedule[0].join == 1

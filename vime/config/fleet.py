@@ -1,0 +1,52 @@
+"""The elastic fleet (`fleet:`): engines that join and leave a running job."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from vime.config.base import StrictModel
+
+
+class FleetChange(StrictModel):
+    """At the safe point before step `step`'s sync: launch `join` more engines, drain `leave`."""
+
+    step: int = Field(ge=0, description="The step whose sync the change precedes.")
+    join: int = Field(0, ge=0, description="Engines to launch (they serve once synced).")
+    wait: bool = Field(
+        False,
+        description="The safe point waits until the joiners are up, so they take this step's "
+        "sync (training waits; the engines go on generating). Default: they join at the first "
+        "safe point after they are up.",
+    )
+    leave: list[int] = Field(
+        default_factory=list,
+        description="Engine indices to drain: no new requests, those in flight finish, then the "
+        "engine leaves every later sync and ends.",
+    )
+
+    @model_validator(mode="after")
+    def _something(self) -> FleetChange:
+        if not self.join and not self.leave:
+            raise ValueError(f"fleet change at step {self.step} neither joins nor leaves")
+        return self
+
+
+class FleetConfig(StrictModel):
+    """Engines join and leave while the job runs (launched engines only).
+
+    Changes come from `schedule` and from `vime fleet join|leave --run-dir DIR` (requests the
+    job reads at each step's safe point). A joiner starts in the background while training goes
+    on, and takes part in the first sync after it is up (a full one, for every engine: no pause
+    longer than one ordinary sync), verified by checksums with `weight_sync.verify_checksums`;
+    only then does it get requests. A leaver gets no new request at once, finishes the ones in
+    flight (still synced every step, so their tokens keep exact versions), then leaves.
+    """
+
+    schedule: list[FleetChange] = Field(default_factory=list)
+    max_engines: int = Field(8, ge=1, description="Joins beyond this many engines are refused.")
+    drain_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="A leaver whose requests have not finished by then has them cancelled and "
+        "resubmitted to the other engines.",
+    )

@@ -1,0 +1,386 @@
+"""An elastic rollout fleet (`fleet:`): engines join and leave while the job runs, nothing lost.
+
+Requests come from `fleet.schedule` and from `vime fleet join|leave --run-dir DIR`, which appends
+a line to DIR/fleet-requests.jsonl (the job's own directory: whoever may write there may steer
+the job; nothing listens on the network). At each step's safe point, before its sync, every
+rank calls `Fleet.before_sync`; rank 0 decides and broadcasts one plan, every rank applies it:
+
+- **join**: rank 0 launches the engines in the background (Ray actors, a placement group of
+  their own) while training goes on. Once up, they are admitted at the next safe point: every
+  rank attaches, the weight sync reconnects over the new fleet (groups and rank offsets rebuilt,
+  no trainer restart) and the step's sync, full for every engine, brings them to the trainer's
+  weights (checked by checksums with weight_sync.verify_checksums). Only after that sync do they
+  get requests (`after_sync`). The other engines pause for that one sync, as every step.
+- **leave (drain)**: the engine gets no new request at once; its requests in flight finish there,
+  still synced every step (their tokens keep exact versions). At the first safe point where none
+  is left (or after fleet.drain_timeout_s, when the rest are cancelled and resubmitted to the
+  other engines: "handed over"), it leaves every later sync and ends.
+- **preemption** (engine.preemption_drain_s > 0): a SIGTERM to an engine's keeper is a notice
+  (vime.utils.keeper). Rank 0 polls for notices every engine.watchdog_interval_s and drains the
+  engine as for a leave, at once, not at a safe point; its requests still in flight when less
+  than PREEMPT_MARGIN_S of its time is left are handed over, so none is lost when it ends.
+
+A change decided while a sync runs waits for the safe point, so no sync sees a fleet change
+midway. Indices are never reused: engine i is engine i in every log line and metric.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from vime.config import TrainConfig
+from vime.job.faults import broadcast_object
+
+logger = logging.getLogger(__name__)
+
+REQUESTS_FILE = "fleet-requests.jsonl"
+# A preempted engine's requests still in flight this long before its keeper ends it are handed
+# over (cancelled there, resubmitted elsewhere): one probe interval and a resubmit fit in it.
+PREEMPT_MARGIN_S = 10.0
+
+
+def request_change(run_dir: str | Path, *, join: int = 0, leave: list[int] | None = None) -> None:
+    """Ask the job writing to `run_dir` to launch `join` engines or drain `leave` (read at its
+    next step's safe point)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.resolved.json").exists():
+        raise ValueError(f"{run_dir} is not a job's run_dir (no config.resolved.json)")
+    if join < 0 or (not join and not leave):
+        raise ValueError("ask for join >= 1 or leave = engine indices")
+    line = json.dumps({"join": join, "leave": list(leave or []), "time": time.time()})
+    with open(run_dir / REQUESTS_FILE, "a") as requests:
+        requests.write(line + "\n")
+
+
+@dataclass
+class _Launch:
+    """Rank 0: engines being launched for a join."""
+
+    first_index: int
+    count: int
+    requested_at: float
+    future: Future
+
+
+@dataclass
+class FleetStats:
+    joins: int = 0
+    leaves: int = 0
+    handed_over: int = 0  # requests cancelled on a leaver and resubmitted elsewhere
+    preempted: int = 0  # engines that got a preemption notice (SIGTERM to their keeper)
+    join_to_serve_s: list[float] = field(default_factory=list)  # request -> first request sent
+    drain_s: list[float] = field(default_factory=list)  # leave request -> the engine ended
+
+
+class Fleet:
+    """Every rank: `before_sync(step)` / `after_sync()` around each step's sync."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        engines: Any,  # vime.plugin.RolloutEngines
+        sync: Any,  # vime.plugin.WeightSync
+        run_dir: Path,
+        *,
+        client: Any = None,  # rank 0: the GenerationClient
+        watchdog: Any = None,  # rank 0: the EngineWatchdog
+    ) -> None:
+        self.config = config
+        self.engines, self.sync = engines, sync
+        self.run_dir = run_dir
+        self.client, self.watchdog = client, watchdog
+        self.rank = dist.get_rank(engines.group)
+        self.stats = FleetStats()
+        self._requests_read = 0  # lines of the requests file already taken
+        self._launches: list[_Launch] = []  # rank 0, in index order
+        self._next_index = len(engines.urls)
+        self._draining: dict[int, float] = {}  # rank 0: index -> leave requested (monotonic)
+        self._admitted: list[tuple[int, float]] = []  # (index, requested at) to serve after sync
+        self._admitting: list[_Launch] = []  # rank 0: launches admitted at this safe point
+        self._executor: ThreadPoolExecutor | None = None
+        # Rank 0: the preemption poller and the safe point share _draining and the stats.
+        self._lock = threading.Lock()
+        self._handed: set[int] = set()  # preempted engines whose requests were handed over
+        self._stop = threading.Event()
+        if self.rank == 0 and engines.launched and engines.config.preemption_drain_s > 0:
+            threading.Thread(target=self._poll_preemption, daemon=True,
+                             name="vime-fleet-preempt").start()  # fmt: skip
+
+    # ---- every rank -------------------------------------------------------------------------
+
+    def before_sync(self, step: int) -> None:
+        """The safe point before step `step`'s sync: apply rank 0's plan (collective)."""
+        if self.rank == 0:
+            with self._lock:
+                plan = self._plan(step)
+        else:
+            plan = None
+        plan = broadcast_object(plan, self.engines.group)
+        if plan is None:
+            return
+        # Rank 0 keeps its launched engines' Ray handles (they are not broadcast).
+        handles = [h for launch in self._admitting for h in launch.future.result()[0]]
+        indices = self.engines.admit(plan["urls"], plan["infos"], handles)
+        for index in plan["retire"]:
+            self.engines.retire(index)
+        self.sync.reconnect()  # groups and rank offsets for the new fleet; the next sync is full
+        if self.rank == 0:
+            with self._lock:
+                self._after_plan(indices, plan)
+        logger.log(
+            logging.INFO if self.rank == 0 else logging.DEBUG,
+            "fleet before step %d: joined %s, left %s; engines %s",
+            step,
+            indices,
+            plan["retire"],
+            self.engines.active(),
+        )
+
+    def after_sync(self) -> None:
+        """Rank 0: engines admitted at this step's safe point now hold its weights: serve."""
+        if self.rank != 0:
+            return
+        for index, requested_at in self._admitted:
+            self.client.mark_up(index)
+            if self.watchdog is not None:
+                self.watchdog.watch(index)
+            self.stats.join_to_serve_s.append(time.monotonic() - requested_at)
+            logger.info("engine %d serves (%.1f s after it was asked for)", index, 
+                        self.stats.join_to_serve_s[-1])  # fmt: skip
+        self._admitted = []
+
+    def metrics(self) -> dict[str, float]:
+        """Rank 0's figures for this step's metrics row."""
+        serving = len(self.client.serving()) if self.client is not None else 0
+        return {
+            "fleet/size": float(len(self.engines.active())),
+            "fleet/serving": float(serving),
+            "fleet/joins": float(self.stats.joins),
+            "fleet/leaves": float(self.stats.leaves),
+            "fleet/handed_over": float(self.stats.handed_over),
+            "fleet/preempted": float(self.stats.preempted),
+        }
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "fleet_joins": self.stats.joins,
+            "fleet_leaves": self.stats.leaves,
+            "fleet_handed_over": self.stats.handed_over,
+            "fleet_preempted": self.stats.preempted,
+            "fleet_join_to_serve_s": [round(s, 2) for s in self.stats.join_to_serve_s],
+            "fleet_drain_s": [round(s, 2) for s in self.stats.drain_s],
+        }
+
+    def close(self) -> None:
+        """Rank 0: engines still launching are ended once up (the job is over)."""
+        self._stop.set()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        for launch in self._launches:
+            launch.future.add_done_callback(_shutdown_launched)
+
+    # ---- rank 0 -----------------------------------------------------------------------------
+
+    def _plan(self, step: int) -> dict[str, Any] | None:
+        """What changes at this safe point (None: nothing); starts launches and drains."""
+        for join, leave, wait in self._new_requests(step):
+            if join:
+                self._launch(join)
+                if wait and self._launches:
+                    self._launches[-1].future.exception()  # blocks until it is up or failed
+            for index in leave:
+                self._drain(index)
+        launches, retire = self._ready_launches(), self._finished_drains()
+        if not launches and not retire:
+            return None
+        for index in retire:  # before it ends: its end is no failure
+            if self.watchdog is not None:
+                self.watchdog.unwatch(index)
+        urls = [url for launch in launches for url in launch.future.result()[1]]
+        infos = [info for launch in launches for info in launch.future.result()[2]]
+        self._admitting = launches
+        return {"urls": urls, "infos": infos, "retire": retire}
+
+    def _after_plan(self, indices: list[int], plan: dict[str, Any]) -> None:
+        for launch in self._admitting:
+            self._launches.remove(launch)
+        for index, requested_at in zip(indices, self._admitting_slots(), strict=True):
+            # Known to the client (marked down) and the watchdog, not yet served or watched.
+            if self.client.add_engine(self.engines.urls[index]) != index or (
+                self.watchdog is not None and self.watchdog.add(self.engines.urls[index]) != index
+            ):
+                raise RuntimeError(f"fleet: engine {index} got another index in the client")
+            self._admitted.append((index, requested_at))
+            self.stats.joins += 1
+        for index in plan["retire"]:
+            began = self._draining.pop(index)
+            self.stats.leaves += 1
+            self.stats.drain_s.append(time.monotonic() - began)
+            logger.info("engine %d left (%.1f s after it was asked to)", index, 
+                        self.stats.drain_s[-1])  # fmt: skip
+        self._admitting = []
+
+    def _admitting_slots(self) -> list[float]:
+        """Each admitted engine's request time, in index order."""
+        return [launch.requested_at for launch in self._admitting for _ in range(launch.count)]
+
+    def _new_requests(self, step: int) -> list[tuple[int, list[int], bool]]:
+        """(join, leave, wait) of the schedule's changes for `step` and the new file lines."""
+        schedule = self.config.fleet.schedule
+        found = [(c.join, list(c.leave), c.wait) for c in schedule if c.step == step]
+        path = self.run_dir / REQUESTS_FILE
+        if path.exists():
+            lines = path.read_text().splitlines()
+            for line in lines[self._requests_read :]:
+                try:
+                    request = json.loads(line)
+                    leave = [int(i) for i in request.get("leave", [])]
+                    found.append((int(request.get("join", 0)), leave, False))
+                except (ValueError, KeyError, TypeError) as exc:
+                    logger.error("%s: ignored the request %r: %s", path, line[:200], exc)
+            self._requests_read = len(lines)
+        return found
+
+    def _launch(self, count: int) -> None:
+        from vime.cluster.addresses import node_address
+        from vime.rollout.ray_engine import launch_engines
+
+        planned = len(self.engines.active()) + sum(launch.count for launch in self._launches)
+        if planned + count > self.config.fleet.max_engines:
+            logger.error(
+                "fleet: a join of %d refused: %d engines running or launching, "
+                "fleet.max_engines=%d",
+                count,
+                planned,
+                self.config.fleet.max_engines,
+            )
+            return
+        engine = self.engines.config.model_copy(update={"num_engines": count})
+        cluster = self.config.cluster
+        first = self._next_index
+        self._next_index += count
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(2, thread_name_prefix="vime-fleet")
+        future = self._executor.submit(
+            launch_engines,
+            engine,
+            cluster,
+            node_address=node_address(cluster.node_address, cluster.interface),
+            log_dir=str(self.run_dir / "engines"),
+            call_timeout_s=self.config.weight_sync.transfer_timeout_s,
+            first_rank=first,
+        )
+        self._launches.append(_Launch(first, count, time.monotonic(), future))
+        logger.info("fleet: launching %d engine(s) as %d..%d", count, first, first + count - 1)
+
+    def _ready_launches(self) -> list[_Launch]:
+        """Launches that are up, in index order (a later one waits for an earlier one)."""
+        ready = []
+        for launch in self._launches:
+            if not launch.future.done():
+                break
+            error = launch.future.exception()
+            if error is not None:
+                raise RuntimeError(f"fleet: engines {launch.first_index}.. did not start: {error}")
+            ready.append(launch)
+        return ready
+
+    def _drain(self, index: int) -> bool:
+        """Engine `index` takes no new request from now and leaves once it holds none."""
+        active = self.engines.active()
+        if index not in active or index in self._draining:
+            logger.error("fleet: engine %d cannot leave: active %s, draining %s", index, active,
+                         sorted(self._draining))  # fmt: skip
+            return False
+        if len(active) - len(self._draining) <= 1:
+            logger.error("fleet: engine %d is the last serving engine; it stays", index)
+            return False
+        self.client.drain(index)
+        self._draining[index] = time.monotonic()
+        logger.info("fleet: engine %d drains (%d requests in flight)", index,
+                    self.client.num_in_flight(index))  # fmt: skip
+        return True
+
+    def _poll_preemption(self) -> None:
+        """Rank 0's thread: drain engines whose keeper got a SIGTERM (a preemption notice); hand
+        their requests over when PREEMPT_MARGIN_S is all that is left of their time."""
+        interval_s = self.engines.config.watchdog_interval_s
+        noticed: set[int] = set()
+        while not self._stop.wait(interval_s):
+            for index in self.engines.active():
+                try:
+                    notice = self.engines.handles[index].preemption_notice()
+                except Exception as exc:  # noqa: BLE001 (a dead engine: the watchdog's business)
+                    logger.debug("engine %d: no preemption notice read: %s", index, exc)
+                    continue
+                if notice is None:
+                    continue
+                with self._lock:
+                    if index not in noticed:
+                        noticed.add(index)
+                        self.stats.preempted += 1
+                        logger.warning("fleet: engine %d got a preemption notice (%.0f s left)",
+                                       index, notice["left_s"])  # fmt: skip
+                        if self.watchdog is not None:
+                            self.watchdog.unwatch(index)  # its end is no failure
+                        if not self._drain(index):
+                            continue  # the last engine: it ends; fault tolerance may restart it
+                    left = self.client.num_in_flight(index)
+                    if (index in self._draining and index not in self._handed
+                            and notice["left_s"] < PREEMPT_MARGIN_S):  # fmt: skip
+                        self._handed.add(index)
+                        self.stats.handed_over += left
+                        self.client.mark_down(index)  # cancelled there, resubmitted elsewhere
+                        logger.warning("fleet: preempted engine %d: %d requests handed over",
+                                       index, left)  # fmt: skip
+
+    def _finished_drains(self) -> list[int]:
+        done = []
+        timeout_s = self.config.fleet.drain_timeout_s
+        for index, began in self._draining.items():
+            left = self.client.num_in_flight(index)
+            if left and time.monotonic() - began > timeout_s and index not in self._handed:
+                # Cancelled there and resubmitted from scratch to the engines that serve.
+                self._handed.add(index)
+                self.stats.handed_over += left
+                self.client.mark_down(index)
+                logger.warning("fleet: engine %d: %d requests handed over", index, left)
+                left = 0
+            if left == 0:
+                done.append(index)
+        return done
+
+
+def _shutdown_launched(future: Future) -> None:
+    if future.exception() is None:
+        for handle in future.result()[0]:
+            handle.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`vime fleet join --run-dir DIR [--count N]` / `vime fleet leave --run-dir DIR --engine I`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="vime fleet", description=main.__doc__)
+    parser.add_argument("action", choices=["join", "leave"])
+    parser.add_argument("--run-dir", required=True, help="the running job's run_dir")
+    parser.add_argument("--count", type=int, default=1, help="join: engines to launch")
+    parser.add_argument("--engine", type=int, nargs="+", default=[], help="leave: indices")
+    args = parser.parse_args(argv)
+    try:
+        if args.action == "join":
+            request_change(args.run_dir, join=args.count)
+        else:
+            request_change(args.run_dir, leave=args.engine)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(f"asked: {args.action} (read at the job's next step)")
