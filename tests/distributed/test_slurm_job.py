@@ -2,13 +2,17 @@
 
 Node vime-n1 (127.0.0.2) runs the Ray head and the trainer; vime-n2 (127.0.0.3) a Ray worker and
 the one vLLM CPU engine; the weights cross by gloo broadcast from the trainer's node. Everything
-binds to and talks over those loopback addresses only.
+binds to and talks over those loopback addresses only. The engine on the other node dies once
+(EngineCore SIGKILLed after the first step) and, with fault tolerance, is restarted there, synced
+(checksums) and serves again: the faults tier's engine on another node.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -35,10 +39,24 @@ def slurm():
     stop_cluster()
 
 
+def _kill_engine_core_after_first_step(run_dir: Path, job: subprocess.Popen) -> int | None:
+    """SIGKILL the engine's EngineCore once a step is logged; its pid (None: the job ended)."""
+    metrics, log = run_dir / "metrics.jsonl", run_dir / "engines" / "vllm-engine-0.log"
+    deadline = time.monotonic() + 600
+    while job.poll() is None and time.monotonic() < deadline:
+        if metrics.exists() and metrics.read_text().strip():
+            (pid, *_) = reversed(re.findall(r"\(EngineCore pid=(\d+)\)", log.read_text()))
+            os.kill(int(pid), signal.SIGKILL)
+            return int(pid)
+        time.sleep(0.1)
+    return None
+
+
+@pytest.mark.faults
 def test_two_node_slurm_job_trains_on_one_node_and_serves_on_the_other(
     slurm, tmp_path, tiny_model_dir
 ):
-    num_steps = 3
+    num_steps = 20  # steps take ~0.2 s here: the kill must land before the last one
     run_dir = tmp_path / "run"
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
@@ -56,6 +74,7 @@ def test_two_node_slurm_job_trains_on_one_node_and_serves_on_the_other(
             "model.preset=null",
             f"num_steps={num_steps}",
             "weight_sync.verify_checksums=true",
+            "engine.fault_tolerance=true",
             "rollout.num_prompts_per_step=4",
             "rollout.num_samples_per_prompt=4",
             "cluster.job_name=vime-test-2node",
@@ -77,14 +96,20 @@ def test_two_node_slurm_job_trains_on_one_node_and_serves_on_the_other(
     shm_before = set(Path("/dev/shm").iterdir())
 
     start = time.monotonic()
-    submitted = subprocess.run(
+    with subprocess.Popen(
         ["sbatch", "--parsable", "--wait", str(script)],
         cwd=REPO_ROOT,
         env=slurm,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=900,
-    )
+    ) as job:
+        killed = _kill_engine_core_after_first_step(run_dir, job)
+        try:
+            stdout, stderr = job.communicate(timeout=900)
+        finally:
+            job.kill()
+    submitted = subprocess.CompletedProcess(job.args, job.returncode, stdout, stderr)
     wall_s = time.monotonic() - start
     job_id = submitted.stdout.strip().split(";")[0]
     batch_log = next(log_dir.glob(f"*-{job_id}.out"), None)
@@ -114,6 +139,13 @@ def test_two_node_slurm_job_trains_on_one_node_and_serves_on_the_other(
     assert [row["sync/weight_version"] for row in rows] == list(range(1, num_steps + 1))
     assert all(row["sync/verified"] == 1.0 for row in rows)
     assert all(row["rollout/num_samples"] == 16 for row in rows)
+    # The engine died on vime-n2 and was restarted there, synced and served again.
+    assert killed is not None, "the job ended before a step was logged"
+    trainer = trainer_log.read_text()
+    engine_url = re.escape(engine["url"])
+    assert re.search(rf"restarting engine 0 \(engine 0 at {engine_url} is dead", trainer), trainer
+    assert "fault tolerance: engine 0 serves again" in trainer
+    assert rows[-1]["fault/engine_restarts"] == 1.0
     for name in ("metrics.png", "summary.txt", "config.resolved.json"):
         assert (run_dir / name).exists(), name
 

@@ -100,6 +100,11 @@ class BackgroundJob:
         path = self.run_dir / "engines" / f"vllm-engine-{rank}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def engine_ranks(self) -> list[int]:
+        """The engines that have a log (launched so far)."""
+        logs = (self.run_dir / "engines").glob("vllm-engine-*.log")
+        return sorted(int(path.stem.rsplit("-", 1)[1]) for path in logs)
+
     # A restarted engine appends to the same log: the last line naming a pid is the live one.
 
     def keeper(self, rank: int = 0) -> tuple[int, int]:
@@ -130,8 +135,10 @@ class BackgroundJob:
             return self.steps_done() >= steps
 
         wait_for(ready, timeout_s, "job running", poll_s=0.5)
-        keeper, _ = self.keeper()
-        pids = {self.process.pid} | descendants(self.process.pid) | set(group_members(keeper))
+        pids = {self.process.pid} | descendants(self.process.pid)
+        for rank in self.engine_ranks():
+            keeper, _ = self.keeper(rank)
+            pids |= set(group_members(keeper))
         self.pids.update({pid: start_time(pid) for pid in pids if start_time(pid) is not None})
         self.segments |= mapped_shm_files(sorted(pids))
         assert len(self.pids) >= 6, {pid: cmdline(pid) for pid in self.pids}

@@ -160,19 +160,27 @@ class FaultTolerance:
                 down = broadcast_object(down, self.group)
                 if not down:
                     raise
-                self._recover(down, resync=False)
-                recovered += down
+                recovered += self._recover(down, resync=False)
                 continue
             if recovered and self.recovery is not None:
                 self.recovery.restored(recovered)  # the retried sync reached them
             return report
 
-    def _recover(self, down: list[int], *, resync: bool) -> None:
+    def _recover(self, down: list[int], *, resync: bool) -> list[int]:
         """Every rank: wait for the restarts (rank 0), reconnect the sync to every engine and,
-        if `resync`, push the trainer's current weights (same version) into every engine."""
+        if `resync`, push the trainer's current weights (same version) into every engine.
+        Engines found down while waiting (several failing in one step) are waited for too:
+        the reconnect needs every engine up. Returns the engines recovered."""
         logger.warning("recovering engines %s", down)
         if self.recovery is not None:
-            self.recovery.wait_restarted(down)
+            while True:
+                self.recovery.wait_restarted(down)
+                more = sorted(set(self.recovery.pending()) - set(down))
+                if not more:
+                    break
+                logger.warning("engines %s failed too; waiting for their restarts", more)
+                down = sorted(set(down) | set(more))
+        down = broadcast_object(down, self.group)
         dist.barrier(group=self.group)
         self.sync.reconnect()
         if resync:
@@ -180,3 +188,4 @@ class FaultTolerance:
             if self.recovery is not None:
                 self.recovery.restored(down)
         logger.warning("engines %s reconnected%s", down, " and synced" if resync else "")
+        return down
