@@ -10,7 +10,7 @@ COMMANDS = {
     "bench-loop": ("vime.bench.loop", "step throughput of the sync vs the async RL loop"),
     "export": ("vime.export", "a trainer checkpoint as an HF checkpoint (safetensors)"),
     "slurm": ("vime.cluster.slurm", "render (--dry-run) or submit the multi-node sbatch job"),
-    "fleet": ("vime.job.fleet", "ask a running job to launch engines (join) or drain some (leave)"),
+    "fleet": ("vime.job.fleet_requests", "ask a running job to add engines (join) or drain some"),
 }
 
 

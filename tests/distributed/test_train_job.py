@@ -98,9 +98,9 @@ def _preempt_engine_after_step(rank: int, step: int) -> Callable[[Path, subproce
 
 def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny_model_dir):
     """The README's main job (SFT warm start, then async GRPO), shortened, with delta syncs and
-    an elastic fleet: two engines join before step 1's sync (the step waits for them); engine 0
-    is told to leave at step 2; engine 2 is preempted (SIGTERM to its keeper) once step 1 is
-    logged. Both drain and leave; the job ends on engine 1 alone."""
+    an elastic fleet: fleet.scale_up launches two engines, which join before step 1's sync (the
+    step waits for them); engine 0 is told to leave at step 2; engine 2 is preempted (SIGTERM
+    to its keeper) once step 1 is logged. Both drain and leave; the job ends on engine 1 alone."""
     num_steps, sft_steps = 5, 10
     run_dir, rows = run_job(
         "tiny_cpu_sft_rl.yaml",
@@ -112,7 +112,10 @@ def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny
         "weight_sync.transport={kind: shm, delta: true}",
         "rollout.num_prompts_per_step=4",
         "rollout.num_samples_per_prompt=4",
-        "fleet.schedule=[{step: 1, join: 2, wait: true}, {step: 2, leave: [0]}]",
+        # Rollouts "behind" at any wait: two steps in, the policy launches up to max_engines.
+        "fleet.scale_up={wait_s: 0.0, steps: 2, add: 2, wait: true}",
+        "fleet.max_engines=3",
+        "fleet.schedule=[{step: 2, leave: [0]}]",
         "engine.preemption_drain_s=120",
         "cluster.engine_num_cpus=0.5",  # three engines on the local Ray node's 2 CPUs
         during=_preempt_engine_after_step(2, step=1),
@@ -129,6 +132,7 @@ def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny
     assert serving[:2] == [1, 3] and serving[-1] == 1, serving
     last = metrics[-1]
     assert (last["fleet/joins"], last["fleet/leaves"], last["fleet/preempted"]) == (2, 2, 1)
+    assert last["fleet/scale_ups"] == 1  # once: max_engines, then a fleet too new to judge
     assert last["fleet/handed_over"] == 0
     # A sync after the fleet changed is full (groups rebuilt), every other RL sync a delta.
     changed = [False] + [a != b for a, b in zip(sizes, sizes[1:], strict=False)]

@@ -11,8 +11,8 @@ import pydantic
 import pytest
 from aiohttp import web
 
-from vime.config import FleetConfig, TrainConfig
-from vime.job.fleet import REQUESTS_FILE, request_change
+from vime.config import FleetConfig, ScaleUpPolicy, TrainConfig
+from vime.job.fleet_requests import REQUESTS_FILE, request_change
 from vime.rollout.generation import GenerationClient, SamplingConfig
 
 pytestmark = pytest.mark.unit
@@ -100,3 +100,16 @@ def test_fleet_config_names_what_is_wrong():
         external = {"model_path": "/m", "external_urls": ["http://h:1"]}
         TrainConfig(**{**base, "fleet": fleet, "engine": external})
     assert TrainConfig(**{**base, "fleet": fleet}).fleet.schedule[0].join == 1
+    with pytest.raises(pydantic.ValidationError, match="cannot do for engine.external_urls"):
+        TrainConfig(**{**base, "fleet": {"scale_up": {"wait_s": 1}}, "engine": external})
+
+
+def test_scale_up_asks_for_engines_only_after_enough_slow_steps_in_a_row():
+    policy = ScaleUpPolicy(wait_s=1.0, steps=2)
+    assert not policy.is_behind([])
+    assert not policy.is_behind([5.0])  # one slow step is not enough
+    assert policy.is_behind([0.1, 5.0, 1.5])
+    assert not policy.is_behind([5.0, 0.2])  # the last step kept up
+    assert not policy.is_behind([1.0, 1.0])  # strictly longer than wait_s
+    with pytest.raises(pydantic.ValidationError):
+        ScaleUpPolicy(wait_s=1.0, steps=0)

@@ -8,7 +8,7 @@ from vime.config.base import StrictModel, apply_overrides, format_validation_err
 from vime.config.checkpoint import CheckpointConfig, complete_checkpoints, latest_checkpoint
 from vime.config.cluster import ClusterConfig, SlurmConfig
 from vime.config.engine import VIME_WORKER_EXTENSION, EngineConfig, WeightTransferBackend
-from vime.config.fleet import FleetChange, FleetConfig
+from vime.config.fleet import FleetChange, FleetConfig, ScaleUpPolicy
 from vime.config.job import ModelBuildConfig, TrainConfig
 from vime.config.rl import EvalConfig, GRPOConfig, RolloutConfig, SFTConfig
 from vime.config.trainer import TrainerConfig
@@ -33,6 +33,7 @@ __all__ = [
     "EvalConfig",
     "FleetChange",
     "FleetConfig",
+    "ScaleUpPolicy",
     "GRPOConfig",
     "GlooTransportConfig",
     "IpcTransportConfig",

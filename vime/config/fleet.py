@@ -31,18 +31,38 @@ class FleetChange(StrictModel):
         return self
 
 
+class ScaleUpPolicy(StrictModel):
+    """Launch engines when the rollouts are behind: the trainer waited longer than `wait_s` for
+    its batch at each of the last `steps` steps (with the async loop a batch is generated while
+    the trainer trains on the one before, so any wait is generation the engines did not finish)."""
+
+    wait_s: float = Field(ge=0, description="A step whose batch the trainer waited for longer.")
+    steps: int = Field(2, ge=1, description="Consecutive such steps before a launch.")
+    add: int = Field(1, ge=1, description="Engines launched each time (up to max_engines).")
+    wait: bool = Field(False, description="As FleetChange.wait: the safe point waits for them.")
+
+    def is_behind(self, waits: list[float]) -> bool:
+        """Whether the trainer's last waits for its batches (seconds, oldest first) ask for more
+        engines."""
+        return len(waits) >= self.steps and all(w > self.wait_s for w in waits[-self.steps :])
+
+
 class FleetConfig(StrictModel):
     """Engines join and leave while the job runs (launched engines only).
 
-    Changes come from `schedule` and from `vime fleet join|leave --run-dir DIR` (requests the
-    job reads at each step's safe point). A joiner starts in the background while training goes
-    on, and takes part in the first sync after it is up (a full one, for every engine: no pause
-    longer than one ordinary sync), verified by checksums with `weight_sync.verify_checksums`;
-    only then does it get requests. A leaver gets no new request at once, finishes the ones in
-    flight (still synced every step, so their tokens keep exact versions), then leaves.
+    Changes come from `schedule`, from `scale_up` and from `vime fleet join|leave --run-dir DIR`
+    (requests the job reads at each step's safe point). A joiner starts in the background while
+    training goes on, and takes part in the first sync after it is up (a full one, for every
+    engine: no pause longer than one ordinary sync), verified by checksums with
+    `weight_sync.verify_checksums`; only then does it get requests. A leaver gets no new request
+    at once, finishes the ones in flight (still synced every step, so their tokens keep exact
+    versions), then leaves.
     """
 
     schedule: list[FleetChange] = Field(default_factory=list)
+    scale_up: ScaleUpPolicy | None = Field(
+        None, description="Launch engines when the rollouts are behind (None: never)."
+    )
     max_engines: int = Field(8, ge=1, description="Joins beyond this many engines are refused.")
     drain_timeout_s: float = Field(
         600.0,

@@ -111,10 +111,10 @@ class TrainConfig(StrictModel):
                 "trainer ranks wait at a barrier while rank 0 evaluates; lower the first or raise "
                 "the second"
             )
-        if self.fleet.schedule and self.engine.external_urls:
+        if (self.fleet.schedule or self.fleet.scale_up) and self.engine.external_urls:
             raise ValueError(
-                "fleet.schedule launches and ends engines, which vime cannot do for "
-                "engine.external_urls: launch the engines from the job or remove the schedule"
+                "fleet.schedule and fleet.scale_up launch and end engines, which vime cannot do "
+                "for engine.external_urls: launch the engines from the job or remove them"
             )
         if self.engine.fault_tolerance and self.engine.external_urls:
             raise ValueError(

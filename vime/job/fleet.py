@@ -39,26 +39,13 @@ import torch.distributed as dist
 
 from vime.config import TrainConfig
 from vime.job.faults import broadcast_object
+from vime.job.fleet_requests import REQUESTS_FILE
 
 logger = logging.getLogger(__name__)
 
-REQUESTS_FILE = "fleet-requests.jsonl"
 # A preempted engine's requests still in flight this long before its keeper ends it are handed
 # over (cancelled there, resubmitted elsewhere): one probe interval and a resubmit fit in it.
 PREEMPT_MARGIN_S = 10.0
-
-
-def request_change(run_dir: str | Path, *, join: int = 0, leave: list[int] | None = None) -> None:
-    """Ask the job writing to `run_dir` to launch `join` engines or drain `leave` (read at its
-    next step's safe point)."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.resolved.json").exists():
-        raise ValueError(f"{run_dir} is not a job's run_dir (no config.resolved.json)")
-    if join < 0 or (not join and not leave):
-        raise ValueError("ask for join >= 1 or leave = engine indices")
-    line = json.dumps({"join": join, "leave": list(leave or []), "time": time.time()})
-    with open(run_dir / REQUESTS_FILE, "a") as requests:
-        requests.write(line + "\n")
 
 
 @dataclass
@@ -77,6 +64,7 @@ class FleetStats:
     leaves: int = 0
     handed_over: int = 0  # requests cancelled on a leaver and resubmitted elsewhere
     preempted: int = 0  # engines that got a preemption notice (SIGTERM to their keeper)
+    scale_ups: int = 0  # launches fleet.scale_up asked for
     join_to_serve_s: list[float] = field(default_factory=list)  # request -> first request sent
     drain_s: list[float] = field(default_factory=list)  # leave request -> the engine ended
 
@@ -111,6 +99,7 @@ class Fleet:
         self._lock = threading.Lock()
         self._handed: set[int] = set()  # preempted engines whose requests were handed over
         self._stop = threading.Event()
+        self._batch_waits: list[float] = []  # rank 0: seconds the trainer waited, per step
         if self.rank == 0 and engines.launched and engines.config.preemption_drain_s > 0:
             threading.Thread(target=self._poll_preemption, daemon=True,
                              name="vime-fleet-preempt").start()  # fmt: skip
@@ -145,6 +134,10 @@ class Fleet:
             self.engines.active(),
         )
 
+    def note_batch_wait(self, wait_s: float) -> None:
+        """Rank 0: how long the trainer waited for this step's batch (fleet.scale_up)."""
+        self._batch_waits.append(wait_s)
+
     def after_sync(self) -> None:
         """Rank 0: engines admitted at this step's safe point now hold its weights: serve."""
         if self.rank != 0:
@@ -168,6 +161,7 @@ class Fleet:
             "fleet/leaves": float(self.stats.leaves),
             "fleet/handed_over": float(self.stats.handed_over),
             "fleet/preempted": float(self.stats.preempted),
+            "fleet/scale_ups": float(self.stats.scale_ups),
         }
 
     def summary(self) -> dict[str, Any]:
@@ -176,6 +170,7 @@ class Fleet:
             "fleet_leaves": self.stats.leaves,
             "fleet_handed_over": self.stats.handed_over,
             "fleet_preempted": self.stats.preempted,
+            "fleet_scale_ups": self.stats.scale_ups,
             "fleet_join_to_serve_s": [round(s, 2) for s in self.stats.join_to_serve_s],
             "fleet_drain_s": [round(s, 2) for s in self.stats.drain_s],
         }
@@ -199,6 +194,7 @@ class Fleet:
                     self._launches[-1].future.exception()  # blocks until it is up or failed
             for index in leave:
                 self._drain(index)
+        self._scale_up()
         launches, retire = self._ready_launches(), self._finished_drains()
         if not launches and not retire:
             return None
@@ -209,6 +205,25 @@ class Fleet:
         infos = [info for launch in launches for info in launch.future.result()[2]]
         self._admitting = launches
         return {"urls": urls, "infos": infos, "retire": retire}
+
+    def _scale_up(self) -> None:
+        """fleet.scale_up: launch engines when the trainer kept waiting for its batches (one
+        launch at a time; none beyond fleet.max_engines)."""
+        policy = self.config.fleet.scale_up
+        if policy is None or self._launches or not policy.is_behind(self._batch_waits):
+            return
+        # Leavers count until they are gone (they still hold their node's resources).
+        count = min(policy.add, self.config.fleet.max_engines - len(self.engines.active()))
+        if count <= 0:
+            return
+        waits = ", ".join(f"{w:.2f}" for w in self._batch_waits[-policy.steps :])
+        logger.info("fleet: rollouts behind (the trainer waited %s s for its last %d batches): "
+                    "launching %d", waits, policy.steps, count)  # fmt: skip
+        self._batch_waits = []  # the next launch needs as many slow steps again
+        self.stats.scale_ups += 1
+        self._launch(count)
+        if policy.wait and self._launches:
+            self._launches[-1].future.exception()  # blocks until it is up or failed
 
     def _after_plan(self, indices: list[int], plan: dict[str, Any]) -> None:
         for launch in self._admitting:
@@ -228,6 +243,7 @@ class Fleet:
             logger.info("engine %d left (%.1f s after it was asked to)", index, 
                         self.stats.drain_s[-1])  # fmt: skip
         self._admitting = []
+        self._batch_waits = []  # fleet.scale_up judges the fleet as it is now
 
     def _admitting_slots(self) -> list[float]:
         """Each admitted engine's request time, in index order."""
@@ -364,23 +380,3 @@ def _shutdown_launched(future: Future) -> None:
     if future.exception() is None:
         for handle in future.result()[0]:
             handle.shutdown()
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`vime fleet join --run-dir DIR [--count N]` / `vime fleet leave --run-dir DIR --engine I`."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="vime fleet", description=main.__doc__)
-    parser.add_argument("action", choices=["join", "leave"])
-    parser.add_argument("--run-dir", required=True, help="the running job's run_dir")
-    parser.add_argument("--count", type=int, default=1, help="join: engines to launch")
-    parser.add_argument("--engine", type=int, nargs="+", default=[], help="leave: indices")
-    args = parser.parse_args(argv)
-    try:
-        if args.action == "join":
-            request_change(args.run_dir, join=args.count)
-        else:
-            request_change(args.run_dir, leave=args.engine)
-    except ValueError as exc:
-        parser.error(str(exc))
-    print(f"asked: {args.action} (read at the job's next step)")

@@ -66,7 +66,10 @@ def run_loop(job: Job) -> dict[str, Any]:
     for step in range(job.start_step, config.num_steps):
         if pending is None:
             pending = job.submit(step)
+        waited = time.monotonic()
         batch = job.faults.until_batch(pending)  # engines that failed meanwhile recover first
+        if job.fleet is not None and job.rank == 0:
+            job.fleet.note_batch_wait(time.monotonic() - waited)
         last = step + 1 == config.num_steps
         pending = job.submit(step + 1) if pipelined and not last else None  # one-off pipelining
         if job.rank == 0 and config.save_rollouts:
