@@ -72,6 +72,15 @@ def _started(pgid: int, shm_path: str) -> None:
     time.sleep(1.5)  # the keeper notes mapped segments once a second
 
 
+def _fake_server(shm_path: str, tmp_path, **kwargs) -> tuple:
+    """The fake server under a keeper (grace 1 s, `kwargs` to spawn_kept), and its ServerProcess."""
+    with open(tmp_path / "log", "wb") as log:
+        keeper = spawn_kept(
+            [sys.executable, "-c", FAKE_SERVER, shm_path], log_file=log, grace_s=1, **kwargs
+        )
+    return keeper, ServerProcess(process=keeper, url="http://unused", log_path=tmp_path / "log")
+
+
 def test_owner_sigkill_ends_group_and_unlinks_segments(shm_path):
     owner = subprocess.Popen(
         [sys.executable, "-c", OWNER, FAKE_SERVER, shm_path], stdout=subprocess.PIPE, text=True
@@ -90,9 +99,7 @@ def test_owner_sigkill_ends_group_and_unlinks_segments(shm_path):
 
 
 def test_server_sigkill_ends_its_orphans(shm_path, tmp_path):
-    with open(tmp_path / "log", "wb") as log:
-        keeper = spawn_kept([sys.executable, "-c", FAKE_SERVER, shm_path], log_file=log, grace_s=1)
-    server = ServerProcess(process=keeper, url="http://unused", log_path=tmp_path / "log")
+    keeper, server = _fake_server(shm_path, tmp_path)
     try:
         _started(keeper.pid, shm_path)
         os.kill(server.server_pid(), signal.SIGKILL)
@@ -109,9 +116,7 @@ def test_server_sigkill_ends_its_orphans(shm_path, tmp_path):
 
 
 def test_stop_ends_group_and_unlinks_segments(shm_path, tmp_path):
-    with open(tmp_path / "log", "wb") as log:
-        keeper = spawn_kept([sys.executable, "-c", FAKE_SERVER, shm_path], log_file=log, grace_s=1)
-    server = ServerProcess(process=keeper, url="http://unused", log_path=tmp_path / "log")
+    keeper, server = _fake_server(shm_path, tmp_path)
     _started(keeper.pid, shm_path)
     server.stop(grace_s=1)
     assert group_members(keeper.pid) == []
@@ -120,9 +125,7 @@ def test_stop_ends_group_and_unlinks_segments(shm_path, tmp_path):
 
 
 def test_keeper_sigkill_takes_the_server_with_it(shm_path, tmp_path):
-    with open(tmp_path / "log", "wb") as log:
-        keeper = spawn_kept([sys.executable, "-c", FAKE_SERVER, shm_path], log_file=log, grace_s=1)
-    server = ServerProcess(process=keeper, url="http://unused", log_path=tmp_path / "log")
+    keeper, server = _fake_server(shm_path, tmp_path)
     _started(keeper.pid, shm_path)
     server_pid = server.server_pid()
     os.kill(keeper.pid, signal.SIGKILL)
@@ -138,14 +141,7 @@ def test_keeper_sigkill_takes_the_server_with_it(shm_path, tmp_path):
 def test_sigterm_with_preempt_grace_is_a_notice_then_the_group_ends(shm_path, tmp_path):
     """engine.preemption_drain_s: the first SIGTERM keeps the server up for the grace and leaves
     a notice the job reads; the group ends when the grace is over."""
-    with open(tmp_path / "log", "wb") as log:
-        keeper = spawn_kept(
-            [sys.executable, "-c", FAKE_SERVER, shm_path],
-            log_file=log,
-            grace_s=1,
-            preempt_grace_s=3,
-        )
-    server = ServerProcess(process=keeper, url="http://unused", log_path=tmp_path / "log")
+    keeper, server = _fake_server(shm_path, tmp_path, preempt_grace_s=3)
     try:
         _started(keeper.pid, shm_path)
         assert server.preemption_notice() is None
@@ -165,14 +161,7 @@ def test_sigterm_with_preempt_grace_is_a_notice_then_the_group_ends(shm_path, tm
 
 def test_stop_ends_a_preemptible_group_at_once(shm_path, tmp_path):
     """vime's own stop (SIGINT) is never taken for a preemption notice."""
-    with open(tmp_path / "log", "wb") as log:
-        keeper = spawn_kept(
-            [sys.executable, "-c", FAKE_SERVER, shm_path],
-            log_file=log,
-            grace_s=1,
-            preempt_grace_s=300,
-        )
-    server = ServerProcess(process=keeper, url="http://unused", log_path=tmp_path / "log")
+    keeper, server = _fake_server(shm_path, tmp_path, preempt_grace_s=300)
     _started(keeper.pid, shm_path)
     began = time.monotonic()
     server.stop(grace_s=1)
