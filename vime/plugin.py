@@ -247,6 +247,7 @@ class RolloutEngines:
                 self.handles[index].shutdown()
             except Exception as exc:  # noqa: BLE001 (its keeper ends it with the job anyway)
                 logger.warning("engine %d shutdown: %s", index, exc)
+            self.handles[index].kill()  # the actor too (its placement-group bundle stays)
 
     # ---- generation (rank 0) ----------------------------------------------------------------
 

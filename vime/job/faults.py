@@ -54,7 +54,9 @@ class EngineRecovery:
         self._lock = threading.Lock()
         self._restarts: dict[int, tuple[Future, float]] = {}  # index -> (restart, detected at)
         self._failed = threading.Event()
-        self._executor = ThreadPoolExecutor(max(1, len(engines)), thread_name_prefix="vime-restart")
+        # Engines may join later (vime.job.fleet): room for restarts of more than the first ones.
+        workers = max(8, len(engines))
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="vime-restart")
 
     def on_failure(self, failure: EngineFailedError) -> None:
         """From the watchdog's thread: mark the engine down and restart it."""

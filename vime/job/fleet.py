@@ -1,37 +1,31 @@
-"""An elastic rollout fleet (`fleet:`): engines join and leave while the job runs, nothing lost.
+"""An elastic rollout fleet (`fleet:`): engines join and leave while the job runs, nothing lost
+(docs/failures.md says it for users).
 
-Requests come from `fleet.schedule` and from `vime fleet join|leave --run-dir DIR`, which appends
-a line to DIR/fleet-requests.jsonl (the job's own directory: whoever may write there may steer
-the job; nothing listens on the network). At each step's safe point, before its sync, every
-rank calls `Fleet.before_sync`; rank 0 decides and broadcasts one plan, every rank applies it:
+Requests come from `fleet.schedule`, `fleet.scale_up` and the request file (vime.job.
+fleet_requests). At each step's safe point, before its sync, every rank calls `before_sync`;
+rank 0 decides and broadcasts one plan, every rank applies it:
 
 - **join**: rank 0 launches the engines in the background (Ray actors, a placement group of
-  their own) while training goes on. Once up, they are admitted at the next safe point: every
-  rank attaches, the weight sync reconnects over the new fleet (groups and rank offsets rebuilt,
-  no trainer restart) and the step's sync, full for every engine, brings them to the trainer's
-  weights (checked by checksums with weight_sync.verify_checksums). Only after that sync do they
-  get requests (`after_sync`). The other engines pause for that one sync, as every step.
-- **leave (drain)**: the engine gets no new request at once; its requests in flight finish there,
-  still synced every step (their tokens keep exact versions). At the first safe point where none
-  is left (or after fleet.drain_timeout_s, when the rest are cancelled and resubmitted to the
-  other engines: "handed over"), it leaves every later sync and ends.
-- **preemption** (engine.preemption_drain_s > 0): a SIGTERM to an engine's keeper is a notice
-  (vime.utils.keeper). Rank 0 polls for notices every engine.watchdog_interval_s and drains the
-  engine as for a leave, at once, not at a safe point; its requests still in flight when less
-  than PREEMPT_MARGIN_S of its time is left are handed over, so none is lost when it ends.
+  their own). Once up, they are admitted at the next safe point: every rank attaches, the weight
+  sync reconnects (groups and rank offsets rebuilt, no trainer restart) and the step's sync, full
+  for every engine, brings them to the trainer's weights. They get requests after it (`after_sync`).
+- **leave (drain)**: no new request at once; those in flight finish there, synced every step.
+  At the first safe point where none is left (or after fleet.drain_timeout_s, when the rest are
+  handed over: cancelled, resubmitted elsewhere), it leaves every later sync and ends.
+- **preemption** (engine.preemption_drain_s > 0): rank 0's poller finds a keeper's notice
+  (vime.utils.preemption) and drains the engine at once; what it holds when PREEMPT_MARGIN_S of
+  its time is left is handed over.
 
-A change decided while a sync runs waits for the safe point, so no sync sees a fleet change
-midway. Indices are never reused: engine i is engine i in every log line and metric.
+No sync sees a fleet change midway; indices are never reused.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +33,7 @@ import torch.distributed as dist
 
 from vime.config import TrainConfig
 from vime.job.faults import broadcast_object
-from vime.job.fleet_requests import REQUESTS_FILE
+from vime.job.fleet_requests import read_requests
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +75,12 @@ class Fleet:
         *,
         client: Any = None,  # rank 0: the GenerationClient
         watchdog: Any = None,  # rank 0: the EngineWatchdog
+        recovery: Any = None,  # rank 0 with fault tolerance: the EngineRecovery
     ) -> None:
         self.config = config
         self.engines, self.sync = engines, sync
         self.run_dir = run_dir
-        self.client, self.watchdog = client, watchdog
+        self.client, self.watchdog, self.recovery = client, watchdog, recovery
         self.rank = dist.get_rank(engines.group)
         self.stats = FleetStats()
         self._requests_read = 0  # lines of the requests file already taken
@@ -100,6 +95,7 @@ class Fleet:
         self._handed: set[int] = set()  # preempted engines whose requests were handed over
         self._stop = threading.Event()
         self._batch_waits: list[float] = []  # rank 0: seconds the trainer waited, per step
+        self._drained_now: set[int] = set()  # rank 0: drains begun at this safe point
         if self.rank == 0 and engines.launched and engines.config.preemption_drain_s > 0:
             threading.Thread(target=self._poll_preemption, daemon=True,
                              name="vime-fleet-preempt").start()  # fmt: skip
@@ -108,14 +104,24 @@ class Fleet:
 
     def before_sync(self, step: int) -> None:
         """The safe point before step `step`'s sync: apply rank 0's plan (collective)."""
+        plan = None
         if self.rank == 0:
             with self._lock:
-                plan = self._plan(step)
-        else:
-            plan = None
-        plan = broadcast_object(plan, self.engines.group)
-        if plan is None:
-            return
+                waits = self._take_requests(step)
+            for launch in waits:  # outside the lock: the preemption poller goes on meanwhile
+                launch.future.exception()  # until it is up or failed
+            self._lock.acquire()  # held until the plan is applied: the poller sees no half fleet
+        try:
+            if self.rank == 0:
+                plan = self._plan()
+            plan = broadcast_object(plan, self.engines.group)
+            if plan is not None:
+                self._apply(step, plan)
+        finally:
+            if self.rank == 0:
+                self._lock.release()
+
+    def _apply(self, step: int, plan: dict[str, Any]) -> None:
         # Rank 0 keeps its launched engines' Ray handles (they are not broadcast).
         handles = [h for launch in self._admitting for h in launch.future.result()[0]]
         indices = self.engines.admit(plan["urls"], plan["infos"], handles)
@@ -123,8 +129,7 @@ class Fleet:
             self.engines.retire(index)
         self.sync.reconnect()  # groups and rank offsets for the new fleet; the next sync is full
         if self.rank == 0:
-            with self._lock:
-                self._after_plan(indices, plan)
+            self._after_plan(indices, plan)
         logger.log(
             logging.INFO if self.rank == 0 else logging.DEBUG,
             "fleet before step %d: joined %s, left %s; engines %s",
@@ -165,15 +170,10 @@ class Fleet:
         }
 
     def summary(self) -> dict[str, Any]:
-        return {
-            "fleet_joins": self.stats.joins,
-            "fleet_leaves": self.stats.leaves,
-            "fleet_handed_over": self.stats.handed_over,
-            "fleet_preempted": self.stats.preempted,
-            "fleet_scale_ups": self.stats.scale_ups,
-            "fleet_join_to_serve_s": [round(s, 2) for s in self.stats.join_to_serve_s],
-            "fleet_drain_s": [round(s, 2) for s in self.stats.drain_s],
-        }
+        stats = asdict(self.stats)
+        for key in ("join_to_serve_s", "drain_s"):
+            stats[key] = [round(s, 2) for s in stats[key]]
+        return {f"fleet_{key}": value for key, value in stats.items()}
 
     def close(self) -> None:
         """Rank 0: engines still launching are ended once up (the job is over)."""
@@ -185,16 +185,24 @@ class Fleet:
 
     # ---- rank 0 -----------------------------------------------------------------------------
 
-    def _plan(self, step: int) -> dict[str, Any] | None:
-        """What changes at this safe point (None: nothing); starts launches and drains."""
+    def _take_requests(self, step: int) -> list[_Launch]:
+        """Start the launches and drains asked for by now; the launches to wait for."""
+        waits = []
+        self._drained_now = set()
         for join, leave, wait in self._new_requests(step):
-            if join:
-                self._launch(join)
-                if wait and self._launches:
-                    self._launches[-1].future.exception()  # blocks until it is up or failed
+            if join and self._launch(join) and wait:
+                waits.append(self._launches[-1])
             for index in leave:
-                self._drain(index)
-        self._scale_up()
+                if self._drain(index):
+                    self._drained_now.add(index)
+        waits += self._scale_up()
+        return waits
+
+    def _plan(self) -> dict[str, Any] | None:
+        """What changes at this safe point (None: nothing). Nothing while an engine is being
+        restarted (fault tolerance): the reconnect needs every engine up."""
+        if self.recovery is not None and self.recovery.pending():
+            return None
         launches, retire = self._ready_launches(), self._finished_drains()
         if not launches and not retire:
             return None
@@ -206,29 +214,28 @@ class Fleet:
         self._admitting = launches
         return {"urls": urls, "infos": infos, "retire": retire}
 
-    def _scale_up(self) -> None:
+    def _scale_up(self) -> list[_Launch]:
         """fleet.scale_up: launch engines when the trainer kept waiting for its batches (one
-        launch at a time; none beyond fleet.max_engines)."""
+        launch at a time; none beyond fleet.max_engines). The launch to wait for, if any."""
         policy = self.config.fleet.scale_up
         if policy is None or self._launches or not policy.is_behind(self._batch_waits):
-            return
+            return []
         # Leavers count until they are gone (they still hold their node's resources).
         count = min(policy.add, self.config.fleet.max_engines - len(self.engines.active()))
         if count <= 0:
-            return
+            return []
         waits = ", ".join(f"{w:.2f}" for w in self._batch_waits[-policy.steps :])
         logger.info("fleet: rollouts behind (the trainer waited %s s for its last %d batches): "
                     "launching %d", waits, policy.steps, count)  # fmt: skip
         self._batch_waits = []  # the next launch needs as many slow steps again
         self.stats.scale_ups += 1
-        self._launch(count)
-        if policy.wait and self._launches:
-            self._launches[-1].future.exception()  # blocks until it is up or failed
+        return [self._launches[-1]] if self._launch(count) and policy.wait else []
 
     def _after_plan(self, indices: list[int], plan: dict[str, Any]) -> None:
         for launch in self._admitting:
             self._launches.remove(launch)
-        for index, requested_at in zip(indices, self._admitting_slots(), strict=True):
+        slots = [launch.requested_at for launch in self._admitting for _ in range(launch.count)]
+        for index, requested_at in zip(indices, slots, strict=True):
             # Known to the client (marked down) and the watchdog, not yet served or watched.
             if self.client.add_engine(self.engines.urls[index]) != index or (
                 self.watchdog is not None and self.watchdog.add(self.engines.urls[index]) != index
@@ -245,31 +252,21 @@ class Fleet:
         self._admitting = []
         self._batch_waits = []  # fleet.scale_up judges the fleet as it is now
 
-    def _admitting_slots(self) -> list[float]:
-        """Each admitted engine's request time, in index order."""
-        return [launch.requested_at for launch in self._admitting for _ in range(launch.count)]
-
     def _new_requests(self, step: int) -> list[tuple[int, list[int], bool]]:
         """(join, leave, wait) of the schedule's changes for `step` and the new file lines."""
         schedule = self.config.fleet.schedule
         found = [(c.join, list(c.leave), c.wait) for c in schedule if c.step == step]
-        path = self.run_dir / REQUESTS_FILE
-        if path.exists():
-            lines = path.read_text().splitlines()
-            for line in lines[self._requests_read :]:
-                try:
-                    request = json.loads(line)
-                    leave = [int(i) for i in request.get("leave", [])]
-                    found.append((int(request.get("join", 0)), leave, False))
-                except (ValueError, KeyError, TypeError) as exc:
-                    logger.error("%s: ignored the request %r: %s", path, line[:200], exc)
-            self._requests_read = len(lines)
-        return found
+        asked, self._requests_read = read_requests(self.run_dir, self._requests_read)
+        return found + [(join, leave, False) for join, leave in asked]
 
-    def _launch(self, count: int) -> None:
+    def _launch(self, count: int) -> bool:
+        """Start launching `count` engines in the background; False if refused."""
         from vime.cluster.addresses import node_address
         from vime.rollout.ray_engine import launch_engines
 
+        if not self.engines.launched:
+            logger.error("fleet: a join of %d refused: the engines are external", count)
+            return False
         planned = len(self.engines.active()) + sum(launch.count for launch in self._launches)
         if planned + count > self.config.fleet.max_engines:
             logger.error(
@@ -279,7 +276,7 @@ class Fleet:
                 planned,
                 self.config.fleet.max_engines,
             )
-            return
+            return False
         engine = self.engines.config.model_copy(update={"num_engines": count})
         cluster = self.config.cluster
         first = self._next_index
@@ -297,6 +294,7 @@ class Fleet:
         )
         self._launches.append(_Launch(first, count, time.monotonic(), future))
         logger.info("fleet: launching %d engine(s) as %d..%d", count, first, first + count - 1)
+        return True
 
     def _ready_launches(self) -> list[_Launch]:
         """Launches that are up, in index order (a later one waits for an earlier one)."""
@@ -305,9 +303,15 @@ class Fleet:
             if not launch.future.done():
                 break
             error = launch.future.exception()
-            if error is not None:
-                raise RuntimeError(f"fleet: engines {launch.first_index}.. did not start: {error}")
+            if error is not None:  # the job goes on with the engines it has
+                logger.error("fleet: engines %d..%d did not start: %s", launch.first_index,
+                             launch.first_index + launch.count - 1, error)  # fmt: skip
+                if launch is self._launches[-1]:
+                    self._next_index -= launch.count  # indices stay those of the job's engines
+                continue
             ready.append(launch)
+        failed = [x for x in self._launches if x.future.done() and x.future.exception()]
+        self._launches = [x for x in self._launches if x not in failed]
         return ready
 
     def _drain(self, index: int) -> bool:
@@ -332,37 +336,47 @@ class Fleet:
         interval_s = self.engines.config.watchdog_interval_s
         noticed: set[int] = set()
         while not self._stop.wait(interval_s):
-            for index in self.engines.active():
-                try:
-                    notice = self.engines.handles[index].preemption_notice()
-                except Exception as exc:  # noqa: BLE001 (a dead engine: the watchdog's business)
-                    logger.debug("engine %d: no preemption notice read: %s", index, exc)
-                    continue
-                if notice is None:
-                    continue
-                with self._lock:
-                    if index not in noticed:
-                        noticed.add(index)
-                        self.stats.preempted += 1
-                        logger.warning("fleet: engine %d got a preemption notice (%.0f s left)",
-                                       index, notice["left_s"])  # fmt: skip
-                        if self.watchdog is not None:
-                            self.watchdog.unwatch(index)  # its end is no failure
-                        if not self._drain(index):
-                            continue  # the last engine: it ends; fault tolerance may restart it
-                    left = self.client.num_in_flight(index)
-                    if (index in self._draining and index not in self._handed
-                            and notice["left_s"] < PREEMPT_MARGIN_S):  # fmt: skip
-                        self._handed.add(index)
-                        self.stats.handed_over += left
-                        self.client.mark_down(index)  # cancelled there, resubmitted elsewhere
-                        logger.warning("fleet: preempted engine %d: %d requests handed over",
-                                       index, left)  # fmt: skip
+            try:
+                for index in self.engines.active():
+                    self._check_preemption(index, noticed)
+            except Exception:  # noqa: BLE001 (the poller must outlive one bad read)
+                logger.exception("fleet: preemption poll failed")
+
+    def _check_preemption(self, index: int, noticed: set[int]) -> None:
+        try:
+            notice = self.engines.handles[index].preemption_notice()
+        except Exception as exc:  # noqa: BLE001 (a dead engine: the watchdog's business)
+            logger.debug("engine %d: no preemption notice read: %s", index, exc)
+            return
+        if notice is None:
+            return
+        with self._lock:
+            if index not in noticed:
+                noticed.add(index)
+                self.stats.preempted += 1
+                logger.warning("fleet: engine %d got a preemption notice (%.0f s left)", index,
+                               notice["left_s"])  # fmt: skip
+                if not self._drain(index):
+                    # The last serving engine: it ends with its grace, a failure the watchdog
+                    # reports (fault tolerance restarts it).
+                    return
+                if self.watchdog is not None:
+                    self.watchdog.unwatch(index)  # its end is no failure
+            if (index in self._draining and index not in self._handed
+                    and notice["left_s"] < PREEMPT_MARGIN_S):  # fmt: skip
+                left = self.client.num_in_flight(index)
+                self._handed.add(index)
+                self.stats.handed_over += left
+                self.client.mark_down(index)  # cancelled there, resubmitted elsewhere
+                logger.warning("fleet: preempted engine %d: %d requests handed over", index,
+                               left)  # fmt: skip
 
     def _finished_drains(self) -> list[int]:
         done = []
         timeout_s = self.config.fleet.drain_timeout_s
         for index, began in self._draining.items():
+            if index in self._drained_now:
+                continue  # its drain may not have reached the client yet
             left = self.client.num_in_flight(index)
             if left and time.monotonic() - began > timeout_s and index not in self._handed:
                 # Cancelled there and resubmitted from scratch to the engines that serve.

@@ -232,6 +232,7 @@ def _run(
         run_dir,
         client=rollouts.client if rollouts is not None else None,
         watchdog=watchdog,
+        recovery=recovery,
     )
     evaluate = Evaluator(config, rollouts, writer)
     report = Reporter(writer, num_steps=config.num_steps, start_step=start_step)
