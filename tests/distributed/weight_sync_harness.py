@@ -34,7 +34,7 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=90)
 SEED_CHECK_TOKENS = 48  # continuation tokens compared with HF after a clear_cache switch
 GREEDY_TOKENS = 12
 PROMPT_IDS = (11, 22, 33, 44, 55)
-INFLIGHT_TOKENS = 1500  # long enough that the pause lands mid-request on 2 busy cores
+INFLIGHT_TOKENS = 2000  # the most max_model_len 2048 allows: the pause lands mid-request
 INFLIGHT_ATTEMPTS = 3  # syncs tried per in-flight step before its test sees the request outrun
 
 
@@ -255,8 +255,10 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
             _break_after_first_bucket(updater, kill=step.kill_in_send)
         # A step with a request in flight needs the pause to land while the request runs. On a
         # loaded machine the request can outrun the sync's pause (all its tokens then carry the
-        # old version): the same sync (same weights, same version) is then repeated with a new
-        # request, at most INFLIGHT_ATTEMPTS times, every rank together; the record says how many.
+        # old version): a full sync that cannot fail is then repeated (same weights, same
+        # version) with a new request, at most INFLIGHT_ATTEMPTS times, every rank together; the
+        # record says how many. A delta or a failing step changes state: it is not repeated.
+        repeatable = not (step.delta or step.fail_in_send or step.kill_in_send)
         for attempt in range(1, INFLIGHT_ATTEMPTS + 1):
             inflight = None
             if rank == 0 and step.inflight:
@@ -281,7 +283,7 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
                 outran = str(step.version) not in result.weight_versions
             flag = torch.tensor([int(outran)])
             dist.broadcast(flag, src=0)
-            if not flag.item() or attempt == INFLIGHT_ATTEMPTS:
+            if not flag.item() or not repeatable or attempt == INFLIGHT_ATTEMPTS:
                 break
         # The weights just synced, exported by a separate gather (not through the updater).
         exported = {
