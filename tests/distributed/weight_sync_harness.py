@@ -36,6 +36,7 @@ GREEDY_TOKENS = 12
 PROMPT_IDS = (11, 22, 33, 44, 55)
 INFLIGHT_TOKENS = 2000  # the most max_model_len 2048 allows: the pause lands mid-request
 INFLIGHT_ATTEMPTS = 3  # syncs tried per in-flight step before its test sees the request outrun
+REPEAT_VERSION = 1000  # versions 1002, 1003 mark the engines between repeated in-flight attempts
 
 
 @dataclass(frozen=True)
@@ -258,8 +259,12 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
         # old version): a full sync that cannot fail is then repeated (same weights, same
         # version) with a new request, at most INFLIGHT_ATTEMPTS times, every rank together; the
         # record says how many. A delta or a failing step changes state: it is not repeated.
+        # Before a repeat the engines are moved to another version (same weights), so that the
+        # repeat's tokens before the pause carry a version other than the step's.
         repeatable = not (step.delta or step.fail_in_send or step.kill_in_send)
         for attempt in range(1, INFLIGHT_ATTEMPTS + 1):
+            if attempt > 1:
+                updater.update_weights(version=REPEAT_VERSION + attempt)
             inflight = None
             if rank == 0 and step.inflight:
                 inflight = InflightRequest(step.engine_urls[0])
