@@ -1,8 +1,8 @@
 """engine.fault_tolerance with two engines: engine 0's EngineCore is SIGKILLed mid-generation
 while engine 1 serves; then, once engine 0 serves again, both EngineCores are SIGKILLed in one
-sync. Each time the engines are restarted, synced (checksums verified) before they serve again,
-lost requests are resubmitted, and every step completes with every sample. One job takes all the
-faults (each job costs a minute of start-up)."""
+sync (a delta sync). Each time the engines are restarted, synced (checksums verified) before
+they serve again, lost requests are resubmitted, and every step completes with every sample. One
+job takes all the faults (each job costs a minute of start-up)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ def test_job_survives_one_engine_dying_while_another_serves_then_both_in_one_syn
         "engine.fault_tolerance=true",
         "weight_sync.verify_checksums=true",
         "weight_sync.update_weight_buffer_size=65536",  # many buckets: a long sync to land in
+        # Delta syncs: the sync the second kill lands in is a delta, whose repair (a full sync of
+        # the same version) fails on the dead engines and must hand over to fault tolerance.
+        "weight_sync.transport={kind: shm, delta: true}",
         "checkpoint.at_end=false",
     )
     try:
@@ -77,6 +80,7 @@ def test_job_survives_one_engine_dying_while_another_serves_then_both_in_one_syn
         # The second kill landed in a sync: that sync failed and was redone once both engines
         # were back (a recovery after a failed generation syncs once: "reconnected and synced").
         assert re.search(r"engines \[0, 1\] reconnected$", log, re.M), job.tail()
+        assert "delta sync failed" in log, job.tail()
         summary = json.loads((job.run_dir / "summary.json").read_text())
         assert summary["engine_restarts"] >= 3
         print(

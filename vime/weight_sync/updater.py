@@ -179,10 +179,12 @@ class WeightUpdater:
         self.delta.reset()
         self._delta_valid = False
 
-    def connect(self) -> None:
+    def connect(self, keep_delta: bool = False) -> None:
         """Share the stages' tensor lists, check the engines, plan this stage's buckets and join
-        the engines, stage by stage."""
-        self.reset_delta()  # new or restarted engines hold no baseline
+        the engines, stage by stage. `keep_delta`: every engine holds what this updater last
+        sent (the next sync may be a delta); else the next sync is full."""
+        if not keep_delta:
+            self.reset_delta()  # new or restarted engines hold no baseline
         self.share_metadata()
         self.check_engines()
 
@@ -303,8 +305,12 @@ class WeightUpdater:
             self.close()
             self.connect()
             report = self._sync(version, "full")
-        except BaseException:
+        except BaseException as exc:
             resume_engines(self.engines, self.sync_group, self.config.transfer_timeout_s)
+            if isinstance(exc, Exception):
+                # An engine that died fails the repair too (its check, on every rank): this is
+                # the sync's failure, for the caller's fault tolerance to restart the engine.
+                raise failed from exc
             raise
         report.repaired = True
         return report
