@@ -370,13 +370,13 @@ class WeightSync:
         self._finish_param_gather()
         return self.updater.resync()
 
-    def reconnect(self) -> None:
-        """Rebuild the transports to every engine of the fleet (after an engine restarted,
-        joined or left: groups and rank offsets are recomputed); collective. The next sync is
-        full."""
+    def reconnect(self, keep_delta: bool = False) -> None:
+        """Rebuild the transports to the fleet's engines (one restarted, joined or left: groups,
+        rank offsets); collective. The next sync is full, unless `keep_delta` (every engine
+        holds the last sync's tensors: engines left, or joiners were seeded by a live one)."""
         self.updater.close()
         self.updater.engines = self.engines.active_handles()
-        self.updater.connect()
+        self.updater.connect(keep_delta=keep_delta)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The trainer's current weights as HF tensors (copies) on each stage's pp sender; {}

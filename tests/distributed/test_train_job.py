@@ -122,7 +122,8 @@ def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny
     )
     assert [row["step"] for row in rows] == list(range(num_steps))
     metrics = rows
-    # The fleet: engines 1 and 2 took step 1's sync (full, for all three) and then served.
+    # The fleet: engines 1 and 2 were seeded by engine 0 (fleet.seed=engine: checksums equal),
+    # took step 1's sync (a delta, like every other engine's) and then served.
     # Engine 0 drained from step 2, engine 2 from its notice (no new request for either; what
     # they held finished there), each leaving at the first safe point after its last request.
     sizes = [m["fleet/size"] for m in metrics]
@@ -134,11 +135,13 @@ def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny
     assert (last["fleet/joins"], last["fleet/leaves"], last["fleet/preempted"]) == (2, 2, 1)
     assert last["fleet/scale_ups"] == 1  # once: max_engines, then a fleet too new to judge
     assert last["fleet/handed_over"] == 0
-    # A sync after the fleet changed is full (groups rebuilt), every other RL sync a delta.
-    changed = [False] + [a != b for a, b in zip(sizes, sizes[1:], strict=False)]
-    assert [m["sync/delta"] for m in metrics] == [0.0 if c else 1.0 for c in changed], metrics
+    # Groups were rebuilt at each change, yet every RL sync is a delta: the joiners were seeded
+    # with the tensors the others hold, leavers take none with them.
+    assert last["fleet/seeded"] == 2
+    assert [m["sync/delta"] for m in metrics] == [1.0] * num_steps, metrics
     summary = json.loads((run_dir / "summary.json").read_text())
     assert len(summary["fleet_join_to_serve_s"]) == 2 and len(summary["fleet_drain_s"]) == 2
+    assert len(summary["fleet_seed_s"]) == 2
     # Engine 2 left because the job drained it (vime's stop, SIGINT), within its 120 s grace.
     engine2 = (run_dir / "engines" / "vllm-engine-2.log").read_text()
     assert "preemption notice" in engine2 and "signal SIGINT; ending process group" in engine2

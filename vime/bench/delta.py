@@ -31,7 +31,7 @@ import torch.distributed as dist
 logger = logging.getLogger("vime.bench")
 
 
-def _masters_step(
+def masters_step(
     model: torch.nn.Module, masters: list[torch.Tensor], optimizer: Any, vocab_size: int, step: int
 ) -> float:
     """One mixed-precision step: bf16 grads -> fp32 masters -> AdamW -> bf16 params."""
@@ -54,7 +54,7 @@ def _masters_step(
     return float(loss.detach())
 
 
-def _sync_seconds(report: Any) -> float:
+def sync_seconds(report: Any) -> float:
     """Pause to resume, without the checksums (computed on the sender during its send, and
     compared after it): both syncs of a step are verified, neither is timed with it."""
     total = sum(s for phase, s in report.seconds.items() if phase != "verify")
@@ -90,7 +90,7 @@ def bench_delta(args: argparse.Namespace, topology: Any, sync_group: Any) -> dic
             for step in range(args.delta_steps):
                 began = time.perf_counter()
                 vocab = trainer.converter.dims.vocab_size
-                loss = _masters_step(trainer.model, masters, optimizer, vocab, step)
+                loss = masters_step(trainer.model, masters, optimizer, vocab, step)
                 step_s = time.perf_counter() - began
                 delta = sync.update_weights()
                 delta_engine = engine.collective_rpc("vime_weight_update_stats")[0]
@@ -105,8 +105,8 @@ def bench_delta(args: argparse.Namespace, topology: Any, sync_group: Any) -> dic
                         "changed_fraction": delta.changed_fraction,
                         "delta_bytes": delta.num_bytes,
                         "full_bytes": full.num_bytes,
-                        "delta_s": _sync_seconds(delta),
-                        "full_s": _sync_seconds(full),
+                        "delta_s": sync_seconds(delta),
+                        "full_s": sync_seconds(full),
                         "delta_phases": delta.seconds,
                         "delta_send": delta.send_seconds,
                         "engine_stats": delta_engine,  # the delta sync's, on the worker

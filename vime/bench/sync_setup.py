@@ -89,7 +89,7 @@ def unpin() -> None:
 
 @contextmanager
 def running_engine(
-    args: argparse.Namespace, model_dir: Path, dtype: str, transport: str
+    args: argparse.Namespace, model_dir: Path, dtype: str, transport: str, name: str = ""
 ) -> Iterator[Any]:
     """One vLLM engine serving `transport`'s backend, launched by rank 0 and ended on exit.
 
@@ -125,7 +125,7 @@ def running_engine(
         return
     try:
         if rank == 0:
-            log_dir = Path(args.out) / "engines" / f"{dtype}-{transport}"
+            log_dir = Path(args.out) / "engines" / f"{dtype}-{transport}{name}"
             engine = VLLMEngine(config, log_dir=str(log_dir))
             try:
                 url[0] = engine.init()
@@ -168,7 +168,7 @@ class Trainer:
         version: int,
         verify_checksums: bool = False,
     ) -> Any:
-        """A connected WeightUpdater from this trainer into `engine`."""
+        """A connected WeightUpdater from this trainer into `engine` (or a list of them)."""
         from vime.config import WeightSyncConfig
         from vime.weight_sync.updater import WeightUpdater
 
@@ -181,7 +181,7 @@ class Trainer:
         )
         updater = WeightUpdater(
             config=config,
-            engines=[engine],
+            engines=engine if isinstance(engine, list) else [engine],
             model=self.model,
             converter=self.converter,
             topology=self.topology,

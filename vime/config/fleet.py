@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from vime.config.base import StrictModel
@@ -52,9 +54,9 @@ class FleetConfig(StrictModel):
 
     Changes come from `schedule`, from `scale_up` and from `vime fleet join|leave --run-dir DIR`
     (requests the job reads at each step's safe point). A joiner starts in the background while
-    training goes on, and takes part in the first sync after it is up (a full one, for every
-    engine: no pause longer than one ordinary sync), verified by checksums with
-    `weight_sync.verify_checksums`; only then does it get requests. A leaver gets no new request
+    training goes on, and at the first safe point after it is up it is seeded (`seed`), then
+    takes that step's sync, verified by checksums with `weight_sync.verify_checksums`; only
+    then does it get requests. A leaver gets no new request
     at once, finishes the ones in flight (still synced every step, so their tokens keep exact
     versions), then leaves.
     """
@@ -64,6 +66,13 @@ class FleetConfig(StrictModel):
         None, description="Launch engines when the rollouts are behind (None: never)."
     )
     max_engines: int = Field(8, ge=1, description="Joins beyond this many engines are refused.")
+    seed: Literal["engine", "trainer"] = Field(
+        "engine",
+        description="How a joiner gets the current weights. 'engine': a serving engine sends "
+        "them (engine to engine over gloo, checksums compared), and the step's sync stays a "
+        "delta for every engine; needs weight_sync.transport.delta (otherwise, or if the seed "
+        "fails, 'trainer'). 'trainer': the step's sync is full, for every engine.",
+    )
     drain_timeout_s: float = Field(
         600.0,
         gt=0,

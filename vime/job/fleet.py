@@ -6,21 +6,24 @@ fleet_requests). At each step's safe point, before its sync, every rank calls `b
 rank 0 decides and broadcasts one plan, every rank applies it:
 
 - **join**: rank 0 launches the engines in the background (Ray actors, a placement group of
-  their own). Once up, they are admitted at the next safe point: every rank attaches, the weight
-  sync reconnects (groups and rank offsets rebuilt, no trainer restart) and the step's sync, full
-  for every engine, brings them to the trainer's weights. They get requests after it (`after_sync`).
+  their own). Once up, they are admitted at the next safe point: every rank attaches; with
+  fleet.seed=engine and delta syncs a serving engine seeds them (vime.job.fleet_seed); the weight
+  sync reconnects (groups and rank offsets rebuilt, no trainer restart) and the step's sync (a
+  delta if they were seeded, else full for every engine) brings them to the trainer's weights.
+  They get requests after it (`after_sync`).
 - **leave (drain)**: no new request at once; those in flight finish there, synced every step.
   At the first safe point where none is left (or after fleet.drain_timeout_s, when the rest are
   handed over: cancelled, resubmitted elsewhere), it leaves every later sync and ends.
 - **preemption** (engine.preemption_drain_s > 0): rank 0's poller finds a keeper's notice
-  (vime.utils.preemption) and drains the engine at once; what it holds when PREEMPT_MARGIN_S of
-  its time is left is handed over.
+  (vime.utils.preemption; vime.job.fleet_preemption) and drains the engine at once; what it
+  holds when PREEMPT_MARGIN_S of its time is left is handed over.
 
 No sync sees a fleet change midway; indices are never reused.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -33,13 +36,11 @@ import torch.distributed as dist
 
 from vime.config import TrainConfig
 from vime.job.faults import broadcast_object
+from vime.job.fleet_preemption import PreemptionWatch
 from vime.job.fleet_requests import read_requests
+from vime.job.fleet_seed import seed_joiners, seeds_from_engine
 
 logger = logging.getLogger(__name__)
-
-# A preempted engine's requests still in flight this long before its keeper ends it are handed
-# over (cancelled there, resubmitted elsewhere): one probe interval and a resubmit fit in it.
-PREEMPT_MARGIN_S = 10.0
 
 
 @dataclass
@@ -60,10 +61,11 @@ class FleetStats:
     preempted: int = 0  # engines that got a preemption notice (SIGTERM to their keeper)
     scale_ups: int = 0  # launches fleet.scale_up asked for
     join_to_serve_s: list[float] = field(default_factory=list)  # request -> first request sent
+    seed_s: list[float] = field(default_factory=list)  # a joiner seeded by a live engine
     drain_s: list[float] = field(default_factory=list)  # leave request -> the engine ended
 
 
-class Fleet:
+class Fleet(PreemptionWatch):
     """Every rank: `before_sync(step)` / `after_sync()` around each step's sync."""
 
     def __init__(
@@ -127,7 +129,12 @@ class Fleet:
         indices = self.engines.admit(plan["urls"], plan["infos"], handles)
         for index in plan["retire"]:
             self.engines.retire(index)
-        self.sync.reconnect()  # groups and rank offsets for the new fleet; the next sync is full
+        seeded = not indices  # leavers alone: the others still hold the last sync's tensors
+        if indices and seeds_from_engine(self.config):
+            seeded = broadcast_object(self._seed(indices), self.engines.group)
+        # Groups and rank offsets for the new fleet; unless every engine holds the last sync's
+        # tensors (seeded), the next sync is full.
+        self.sync.reconnect(keep_delta=seeded)
         if self.rank == 0:
             self._after_plan(indices, plan)
         logger.log(
@@ -138,6 +145,16 @@ class Fleet:
             plan["retire"],
             self.engines.active(),
         )
+
+    def _seed(self, joiners: list[int]) -> bool | None:
+        """Rank 0: seed the joiners from serving engines (None on other ranks)."""
+        if self.rank != 0:
+            return None
+        sources = [i for i in self.client.serving() if i not in self._draining]
+        seconds = seed_joiners(self.config, self.engines, joiners, sources,
+                               self.sync.weight_version)  # fmt: skip
+        self.stats.seed_s += seconds or []
+        return seconds is not None
 
     def note_batch_wait(self, wait_s: float) -> None:
         """Rank 0: how long the trainer waited for this step's batch (fleet.scale_up)."""
@@ -167,11 +184,12 @@ class Fleet:
             "fleet/handed_over": float(self.stats.handed_over),
             "fleet/preempted": float(self.stats.preempted),
             "fleet/scale_ups": float(self.stats.scale_ups),
+            "fleet/seeded": float(len(self.stats.seed_s)),
         }
 
     def summary(self) -> dict[str, Any]:
         stats = asdict(self.stats)
-        for key in ("join_to_serve_s", "drain_s"):
+        for key in ("join_to_serve_s", "drain_s", "seed_s"):
             stats[key] = [round(s, 2) for s in stats[key]]
         return {f"fleet_{key}": value for key, value in stats.items()}
 
@@ -251,6 +269,9 @@ class Fleet:
                         self.stats.drain_s[-1])  # fmt: skip
         self._admitting = []
         self._batch_waits = []  # fleet.scale_up judges the fleet as it is now
+        described = [{**engine, "left": index in self.engines.retired}
+                     for index, engine in enumerate(self.engines.describe())]  # fmt: skip
+        (self.run_dir / "engines.json").write_text(json.dumps(described, indent=2))
 
     def _new_requests(self, step: int) -> list[tuple[int, list[int], bool]]:
         """(join, leave, wait) of the schedule's changes for `step` and the new file lines."""
@@ -329,47 +350,6 @@ class Fleet:
         logger.info("fleet: engine %d drains (%d requests in flight)", index,
                     self.client.num_in_flight(index))  # fmt: skip
         return True
-
-    def _poll_preemption(self) -> None:
-        """Rank 0's thread: drain engines whose keeper got a SIGTERM (a preemption notice); hand
-        their requests over when PREEMPT_MARGIN_S is all that is left of their time."""
-        interval_s = self.engines.config.watchdog_interval_s
-        noticed: set[int] = set()
-        while not self._stop.wait(interval_s):
-            try:
-                for index in self.engines.active():
-                    self._check_preemption(index, noticed)
-            except Exception:  # noqa: BLE001 (the poller must outlive one bad read)
-                logger.exception("fleet: preemption poll failed")
-
-    def _check_preemption(self, index: int, noticed: set[int]) -> None:
-        try:
-            notice = self.engines.handles[index].preemption_notice()
-        except Exception as exc:  # noqa: BLE001 (a dead engine: the watchdog's business)
-            logger.debug("engine %d: no preemption notice read: %s", index, exc)
-            return
-        if notice is None:
-            return
-        with self._lock:
-            if index not in noticed:
-                noticed.add(index)
-                self.stats.preempted += 1
-                logger.warning("fleet: engine %d got a preemption notice (%.0f s left)", index,
-                               notice["left_s"])  # fmt: skip
-                if not self._drain(index):
-                    # The last serving engine: it ends with its grace, a failure the watchdog
-                    # reports (fault tolerance restarts it).
-                    return
-                if self.watchdog is not None:
-                    self.watchdog.unwatch(index)  # its end is no failure
-            if (index in self._draining and index not in self._handed
-                    and notice["left_s"] < PREEMPT_MARGIN_S):  # fmt: skip
-                left = self.client.num_in_flight(index)
-                self._handed.add(index)
-                self.stats.handed_over += left
-                self.client.mark_down(index)  # cancelled there, resubmitted elsewhere
-                logger.warning("fleet: preempted engine %d: %d requests handed over", index,
-                               left)  # fmt: skip
 
     def _finished_drains(self) -> list[int]:
         done = []

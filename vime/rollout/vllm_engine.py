@@ -311,12 +311,18 @@ class VLLMEngine:
         return int(body["world_size"])
 
     def collective_rpc(
-        self, method: str, args: list[str] | None = None, kwargs: dict[str, str] | None = None
+        self,
+        method: str,
+        args: list[str] | None = None,
+        kwargs: dict[str, str] | None = None,
+        timeout_s: float | None = None,
     ) -> list[Any]:
-        """POST /collective_rpc: call a worker-extension method on every worker."""
+        """POST /collective_rpc: call a worker-extension method on every worker (strings only:
+        nothing but JSON crosses the wire; `timeout_s` None: engine.request_timeout_s)."""
         body = self._call(
             "POST",
             "/collective_rpc",
             json={"method": method, "args": args or [], "kwargs": kwargs or {}},
+            timeout_s=timeout_s,
         )
         return body.get("results") or []

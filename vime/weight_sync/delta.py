@@ -231,6 +231,10 @@ class Baseline:
                 raise ValueError(f"delta bucket: {name!r} does not replace a baseline tensor")
             target.copy_(tensor)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors as they stand (read-only use: a seed sends them to a joining engine)."""
+        return dict(self._tensors)
+
     def commit(self) -> list[tuple[str, torch.Tensor]]:
         """The whole patched baseline, to load; the update's delta is complete."""
         if self._indices or not self.valid:

@@ -26,11 +26,14 @@ vLLM's own NCCL and IPC engines. On CPU a bucket's load runs on every core the s
 worker holds, to check before sending), `vime_weight_checksums` (sha256 of each worker's part of
 every HF-named tensor, to check after), `vime_gpu_uuid` (where an IPC handle must be opened) and
 `vime_weight_update_stats` (where the last update's time went on the worker) and
-`vime_end_open_update` (ends an update a trainer that died mid-sync left open).
+`vime_end_open_update` (ends an update a trainer that died mid-sync left open), and
+`vime_seed_source` / `vime_seed_send` / `vime_seed_receive` (a live engine seeds a joining one,
+`vime.weight_sync.engine.seed`).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
@@ -38,6 +41,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vime.weight_sync.buckets import dtype_name, tensor_digest
 from vime.weight_sync.engine.gloo import GlooWeightTransferEngine
 from vime.weight_sync.engine.readback import served_shards
+from vime.weight_sync.engine.seed import receive_seed, seed_tensors, send_seed
 from vime.weight_sync.engine.shm import ShmWeightTransferEngine
 
 
@@ -87,6 +91,20 @@ class VimeWorkerExtension:
             return {"ended": False}
         self.finish_weight_update()  # type: ignore[attr-defined]
         return {"ended": True}
+
+    def vime_seed_source(self) -> dict[str, Any]:
+        """Worker 0: the tensors this engine can seed a joiner with (`engine.seed`)."""
+        return seed_tensors(self.weight_transfer_engine, self.parallel_config)  # type: ignore[attr-defined]
+
+    def vime_seed_send(self, info: str) -> dict[str, float]:
+        """Worker 0: send them to a joining engine's workers (`engine.seed`; `info` is JSON)."""
+        engine = self.weight_transfer_engine  # type: ignore[attr-defined]
+        return send_seed(engine, self.parallel_config, json.loads(info))  # type: ignore[attr-defined]
+
+    def vime_seed_receive(self, info: str) -> dict[str, float]:
+        """Every worker of a joining engine: receive and load a live engine's weights (`info`
+        is JSON)."""
+        return receive_seed(self, json.loads(info))
 
     def vime_weight_checksums(self) -> dict[str, str]:
         """{HF name: sha256 hex of this worker's part's bytes} for every weight it serves."""

@@ -49,6 +49,10 @@ class BucketEngine(WeightTransferEngine):
         self._expert_prefixes: set[str] = set()  # MoE experts modules this update loaded
         self._baseline = Baseline()  # delta syncs: the tensors of the last full sync, patched
 
+    @property
+    def baseline(self) -> Baseline:
+        return self._baseline
+
     @functools.cached_property
     def _load_threads(self) -> CoreThreads | None:
         # Made on the first load, on the thread that loads (the worker's own, pinned one).
