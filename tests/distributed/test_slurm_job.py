@@ -81,6 +81,7 @@ def test_two_node_slurm_job_trains_on_one_node_and_serves_on_the_other(
             "weight_sync.transport.delta=true",
             "fleet.schedule=[{step: 2, join: 1, wait: true}]",
             "fleet.max_engines=2",
+            "fleet.seed=engine",
             "cluster.engine_num_cpus=0.5",
             "rollout.num_prompts_per_step=4",
             "rollout.num_samples_per_prompt=4",

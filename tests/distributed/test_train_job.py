@@ -115,6 +115,7 @@ def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny
         # Rollouts "behind" at any wait: two steps in, the policy launches up to max_engines.
         "fleet.scale_up={wait_s: 0.0, steps: 2, add: 2, wait: true}",
         "fleet.max_engines=3",
+        "fleet.seed=engine",  # not auto: which way is cheaper on this machine is timing
         "fleet.schedule=[{step: 2, leave: [0]}]",
         "engine.preemption_drain_s=120",
         "cluster.engine_num_cpus=0.5",  # three engines on the local Ray node's 2 CPUs

@@ -204,3 +204,19 @@ def test_delta_table_reads_the_committed_figures():
         assert row.startswith(f"| {run['lr']:g} | {len(run['steps'])} | ")
         assert all(step["verified"] for step in run["steps"])
         assert all(step["delta_bytes"] < step["full_bytes"] for step in run["steps"])
+
+
+def test_seed_table_reads_the_committed_figures():
+    """`vime bench-sync --seed`'s table from the JSON docs/benchmarks.md quotes."""
+    import json
+    from pathlib import Path
+
+    from vime.bench.seed import format_seed
+
+    path = Path(__file__).resolve().parents[2] / "docs" / "bench" / "bench_seed.json"
+    figures = json.loads(path.read_text())
+    table = format_seed(figures).splitlines()
+    assert f"medians of {len(figures['steps'])} steps" in table[0] and len(table) == 6
+    assert all(step["verified"] for step in figures["steps"])
+    assert all(step["seed_bytes"] == step["full_bytes"] for step in figures["steps"])
+    assert all(step["delta_bytes"] < 0.1 * step["full_bytes"] for step in figures["steps"])

@@ -66,12 +66,13 @@ class FleetConfig(StrictModel):
         None, description="Launch engines when the rollouts are behind (None: never)."
     )
     max_engines: int = Field(8, ge=1, description="Joins beyond this many engines are refused.")
-    seed: Literal["engine", "trainer"] = Field(
-        "engine",
+    seed: Literal["auto", "engine", "trainer"] = Field(
+        "auto",
         description="How a joiner gets the current weights. 'engine': a serving engine sends "
         "them (engine to engine over gloo, checksums compared), and the step's sync stays a "
         "delta for every engine; needs weight_sync.transport.delta (otherwise, or if the seed "
-        "fails, 'trainer'). 'trainer': the step's sync is full, for every engine.",
+        "fails, 'trainer'). 'trainer': the step's sync is full, for every engine. 'auto': "
+        "'engine' unless this job's full syncs were faster than its delta syncs (medians).",
     )
     drain_timeout_s: float = Field(
         600.0,

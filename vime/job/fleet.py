@@ -7,7 +7,7 @@ rank 0 decides and broadcasts one plan, every rank applies it:
 
 - **join**: rank 0 launches the engines in the background (Ray actors, a placement group of
   their own). Once up, they are admitted at the next safe point: every rank attaches; with
-  fleet.seed=engine and delta syncs a serving engine seeds them (vime.job.fleet_seed); the weight
+  delta syncs a serving engine seeds them (fleet.seed, vime.job.fleet_seed); the weight
   sync reconnects (groups and rank offsets rebuilt, no trainer restart) and the step's sync (a
   delta if they were seeded, else full for every engine) brings them to the trainer's weights.
   They get requests after it (`after_sync`).
@@ -38,7 +38,7 @@ from vime.config import TrainConfig
 from vime.job.faults import broadcast_object
 from vime.job.fleet_preemption import PreemptionWatch
 from vime.job.fleet_requests import read_requests
-from vime.job.fleet_seed import seed_joiners, seeds_from_engine
+from vime.job.fleet_seed import delta_is_cheaper, seed_joiners, seeds_from_engine
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class Fleet(PreemptionWatch):
         self._stop = threading.Event()
         self._batch_waits: list[float] = []  # rank 0: seconds the trainer waited, per step
         self._drained_now: set[int] = set()  # rank 0: drains begun at this safe point
+        self._sync_s: dict[str, list[float]] = {}  # rank 0: seconds of "full" / "delta" syncs
         if self.rank == 0 and engines.launched and engines.config.preemption_drain_s > 0:
             threading.Thread(target=self._poll_preemption, daemon=True,
                              name="vime-fleet-preempt").start()  # fmt: skip
@@ -150,6 +151,10 @@ class Fleet(PreemptionWatch):
         """Rank 0: seed the joiners from serving engines (None on other ranks)."""
         if self.rank != 0:
             return None
+        if self.config.fleet.seed == "auto" and not delta_is_cheaper(self._sync_s):
+            logger.info("fleet: joiners %s get a full sync (fleet.seed=auto: this job's full "
+                        "syncs were faster than its delta syncs)", joiners)  # fmt: skip
+            return False
         sources = [i for i in self.client.serving() if i not in self._draining]
         seconds = seed_joiners(self.config, self.engines, joiners, sources,
                                self.sync.weight_version)  # fmt: skip
@@ -160,10 +165,16 @@ class Fleet(PreemptionWatch):
         """Rank 0: how long the trainer waited for this step's batch (fleet.scale_up)."""
         self._batch_waits.append(wait_s)
 
-    def after_sync(self) -> None:
+    def note_sync(self, report: Any) -> None:
+        """Rank 0: a sync's mode and seconds (fleet.seed=auto compares full and delta ones)."""
+        if report is not None and report.delta in ("full", "delta"):
+            self._sync_s.setdefault(report.delta, []).append(report.total_s)
+
+    def after_sync(self, report: Any = None) -> None:
         """Rank 0: engines admitted at this step's safe point now hold its weights: serve."""
         if self.rank != 0:
             return
+        self.note_sync(report)
         for index, requested_at in self._admitted:
             self.client.mark_up(index)
             if self.watchdog is not None:

@@ -5,6 +5,7 @@ the step's sync stays a delta for every engine instead of a full one (`vime.weig
 from __future__ import annotations
 
 import logging
+import statistics
 from typing import Any
 
 from vime.cluster.addresses import node_address
@@ -15,9 +16,19 @@ logger = logging.getLogger(__name__)
 
 
 def seeds_from_engine(config: TrainConfig) -> bool:
-    """Whether joiners are seeded by a live engine (only delta syncs keep what it sends)."""
-    return config.fleet.seed == "engine" and bool(getattr(config.weight_sync.transport, "delta",
-                                                                          False))  # fmt: skip
+    """Whether joiners may be seeded by a live engine (only delta syncs keep what it sends)."""
+    delta = bool(getattr(config.weight_sync.transport, "delta", False))
+    return config.fleet.seed != "trainer" and delta
+
+
+def delta_is_cheaper(sync_s: dict[str, list[float]]) -> bool:
+    """fleet.seed=auto: whether this job's delta syncs paused the engines for less time than its
+    full syncs (medians; True while either is unmeasured). A seed keeps the join step's sync a
+    delta; the trainer's way makes it full."""
+    full, delta = sync_s.get("full"), sync_s.get("delta")
+    if not full or not delta:
+        return True
+    return statistics.median(delta) < statistics.median(full)
 
 
 def seed_joiners(

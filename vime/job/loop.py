@@ -59,7 +59,9 @@ def run_loop(job: Job) -> dict[str, Any]:
     job.evaluate("resumed" if job.resumed else "before", job.start_step, sync.weight_version)
     if config.sft.enabled and not job.resumed:
         summary["sft"] = supervised_stage(config, job.trainer, job.tokenizer, job.run_dir, job.rank)
-        job.faults.update_weights()
+        report = job.faults.update_weights()
+        if job.fleet is not None and job.rank == 0:
+            job.fleet.note_sync(report)
         job.evaluate("after_sft", job.start_step, sync.weight_version)
     pipelined = config.loop == "async"
     pending = job.submit(job.start_step) if pipelined else None
@@ -83,7 +85,7 @@ def run_loop(job: Job) -> dict[str, Any]:
         report = job.faults.update_weights()
         extra = job.recovery_metrics() if job.recovery_metrics else {}
         if job.fleet is not None:
-            job.fleet.after_sync()  # joiners hold this sync's weights: they serve from now
+            job.fleet.after_sync(report)  # joiners hold this sync's weights: they serve now
             if job.rank == 0:
                 extra.update(job.fleet.metrics())
         extra["train/param_fingerprint"] = job.trainer.param_fingerprint()

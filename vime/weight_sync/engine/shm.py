@@ -61,8 +61,8 @@ class ShmWeightTransferEngine(BucketEngine):
     Each segment is mapped once (shared, read-only, page tables populated up front) and the
     mapping is kept: the trainer refills the same segments sync after sync and unlinks their names
     once acknowledged, so later syncs find them here by name. Mappings a sync did not use are
-    dropped when it finishes (the trainer made new segments), and all of them on a new
-    init_transfer_engine or after a failed update.
+    dropped when it finishes (the trainer made new segments; an update that read no segment
+    keeps them all), and all of them on a new init_transfer_engine or after a failed update.
     """
 
     init_info_cls = ShmInitInfo
@@ -91,6 +91,8 @@ class ShmWeightTransferEngine(BucketEngine):
 
     def finish_weight_update(self) -> None:
         super().finish_weight_update()
+        if not self._used:
+            return  # no segment read (a live engine's seed, a delta with nothing changed)
         for name in set(self._mappings) - self._used:
             del self._mappings[name]
 
