@@ -61,16 +61,32 @@ def sync_seconds(report: Any) -> float:
     return total - report.send_seconds.get("checksum", 0.0)
 
 
-def bench_delta(args: argparse.Namespace, topology: Any, sync_group: Any) -> dict[str, Any]:
-    """Run the benchmark on this rank (world of one); rank 0 writes and prints the figures."""
-    from vime.bench.sync_setup import build_trainer, pin_trainer, running_engine, unpin
+def bf16_trainer(args: argparse.Namespace, topology: Any, sync_group: Any) -> tuple[Path, Any]:
+    """(the bf16 checkpoint of --preset, a one-rank trainer on it) for --delta and --seed."""
+    from vime.bench.sync_setup import build_trainer, unpin
     from vime.testing.tiny_model import build_tiny_model
 
-    dtype = "bfloat16"
-    model_dir = Path(args.model_root) / f"bench-{args.preset}-{dtype}"
-    build_tiny_model(model_dir, args.preset, dtype)
+    model_dir = Path(args.model_root) / f"bench-{args.preset}-bfloat16"
+    build_tiny_model(model_dir, args.preset, "bfloat16")
     unpin()
-    trainer = build_trainer(model_dir, dtype, topology, sync_group)
+    return model_dir, build_trainer(model_dir, "bfloat16", topology, sync_group)
+
+
+def write_figures(args: argparse.Namespace, name: str, figures: dict[str, Any], table: str) -> None:
+    """Rank 0: --out/NAME.json and the table on stdout."""
+    if dist.get_rank() == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(json.dumps(figures, indent=2))
+        print(table)
+
+
+def bench_delta(args: argparse.Namespace, topology: Any, sync_group: Any) -> dict[str, Any]:
+    """Run the benchmark on this rank (world of one); rank 0 writes and prints the figures."""
+    from vime.bench.sync_setup import pin_trainer, running_engine
+
+    dtype = "bfloat16"
+    model_dir, trainer = bf16_trainer(args, topology, sync_group)
     (transport,) = args.transports[:1]
     figures: dict[str, Any] = {"preset": args.preset, "dtype": dtype, "transport": transport}
     with running_engine(args, model_dir, dtype, transport) as engine:
@@ -119,11 +135,7 @@ def bench_delta(args: argparse.Namespace, topology: Any, sync_group: Any) -> dic
             runs.append({"lr": lr, "steps": rows})
         sync.close()
     figures["runs"] = runs
-    if dist.get_rank() == 0:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench_delta.json").write_text(json.dumps(figures, indent=2))
-        print(format_delta(figures))
+    write_figures(args, "bench_delta", figures, format_delta(figures))
     return figures
 
 

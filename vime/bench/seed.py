@@ -20,33 +20,27 @@ Prints medians over the steps (n stated) of each way's seconds and bytes; writes
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from vime.bench.delta import masters_step, sync_seconds
+from vime.bench.delta import bf16_trainer, masters_step, sync_seconds, write_figures
 
 logger = logging.getLogger("vime.bench")
 
 
 def bench_seed(args: argparse.Namespace, topology: Any, sync_group: Any) -> dict[str, Any]:
     """Run the benchmark on this rank (world of one); rank 0 writes and prints the figures."""
-    from vime.bench.sync_setup import build_trainer, pin_trainer, running_engine, unpin
-    from vime.testing.tiny_model import build_tiny_model
+    from vime.bench.sync_setup import pin_trainer, running_engine
     from vime.weight_sync.seed import seed_engine
 
     if dist.get_world_size() != 1:
         raise SystemExit("--seed runs on one trainer rank (--tp 1)")
     dtype = "bfloat16"
-    model_dir = Path(args.model_root) / f"bench-{args.preset}-{dtype}"
-    build_tiny_model(model_dir, args.preset, dtype)
-    unpin()
-    trainer = build_trainer(model_dir, dtype, topology, sync_group)
+    model_dir, trainer = bf16_trainer(args, topology, sync_group)
     (transport,) = args.transports[:1]
     lr = args.delta_lrs[0]
     figures: dict[str, Any] = {"preset": args.preset, "dtype": dtype, "transport": transport,
@@ -92,11 +86,7 @@ def bench_seed(args: argparse.Namespace, topology: Any, sync_group: Any) -> dict
             logger.info("seed bench step %d: %s", step, rows[-1])
         sync.close()
     figures["steps"] = rows
-    if dist.get_rank() == 0:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench_seed.json").write_text(json.dumps(figures, indent=2))
-        print(format_seed(figures))
+    write_figures(args, "bench_seed", figures, format_seed(figures))
     return figures
 
 
