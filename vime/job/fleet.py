@@ -155,8 +155,7 @@ class Fleet(PreemptionWatch):
             logger.info("fleet: joiners %s get a full sync (fleet.seed=auto: this job's full "
                         "syncs were faster than its delta syncs)", joiners)  # fmt: skip
             return False
-        sources = [i for i in self.client.serving() if i not in self._draining]
-        seconds = seed_joiners(self.config, self.engines, joiners, sources,
+        seconds = seed_joiners(self.config, self.engines, joiners, self.client.serving(),
                                self.sync.weight_version)  # fmt: skip
         self.stats.seed_s += seconds or []
         return seconds is not None

@@ -231,6 +231,11 @@ class Baseline:
                 raise ValueError(f"delta bucket: {name!r} does not replace a baseline tensor")
             target.copy_(tensor)
 
+    @property
+    def whole(self) -> bool:
+        """The tensors are one synced version, whole (no delta half-applied)."""
+        return self.valid and not self.open_delta
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors as they stand (read-only use: a seed sends them to a joining engine)."""
         return dict(self._tensors)

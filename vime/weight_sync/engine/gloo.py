@@ -55,6 +55,35 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
         self.parsed = parse_buckets(self.buckets)
 
 
+def join_group(
+    master_address: str,
+    master_port: int,
+    *,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    group_name: str,
+) -> tuple[dist.Store, dist.ProcessGroup]:
+    """(store, group): join the gloo group `group_name` whose TCPStore someone else hosts at
+    `master_address:master_port`. The store must outlive its group."""
+    store = dist.TCPStore(
+        master_address,
+        master_port,
+        world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    # Listen on this node's address (set by vime's launcher), not where the hostname points.
+    group = gloo_group(
+        dist.PrefixStore(group_name, store),
+        rank=rank,
+        world_size=world_size,
+        timeout_s=timeout_s,
+        address=os.environ.get(HOST_IP_ENV) or None,
+    )
+    return store, group
+
+
 class GlooWeightTransferEngine(BucketEngine):
     """Receives buckets by gloo broadcast from rank 0 of a named group (CPU, TCP; any host).
 
@@ -80,23 +109,15 @@ class GlooWeightTransferEngine(BucketEngine):
                 f"outside 1..{init_info.world_size - 1}; rank 0 is the trainer"
             )
         self._groups.pop(init_info.group_name, None)
-        timeout = datetime.timedelta(seconds=init_info.timeout_s)
-        store = dist.TCPStore(
+        store, group = join_group(
             init_info.master_address,
             init_info.master_port,
-            init_info.world_size,
-            is_master=False,
-            timeout=timeout,
-        )
-        prefixed = dist.PrefixStore(init_info.group_name, store)
-        # Listen on this node's address (set by vime's launcher), not where the hostname points.
-        group = gloo_group(
-            prefixed,
             rank=rank,
             world_size=init_info.world_size,
             timeout_s=init_info.timeout_s,
-            address=os.environ.get(HOST_IP_ENV) or None,
+            group_name=init_info.group_name,
         )
+        timeout = datetime.timedelta(seconds=init_info.timeout_s)
         self._groups[init_info.group_name] = (store, group, timeout)
         logger.info(
             "joined gloo group %r as rank %d of %d via %s:%d",

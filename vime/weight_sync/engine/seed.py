@@ -17,38 +17,28 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from vime.cluster.addresses import HOST_IP_ENV
-from vime.utils.rendezvous import gloo_group
 from vime.weight_sync.buckets import dtype_name, pack, unpack
 from vime.weight_sync.engine.base import BucketEngine, parse_buckets, worker_index
+from vime.weight_sync.engine.gloo import join_group
 
 SEED_GROUP = "vime-seed"
 
 
 def _join(info: dict[str, Any], rank: int) -> tuple[dist.Store, dist.ProcessGroup]:
-    timeout_s = float(info["timeout_s"])
-    store = dist.TCPStore(
+    return join_group(
         info["master_address"],
         int(info["master_port"]),
-        int(info["world_size"]),
-        is_master=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    group = gloo_group(
-        dist.PrefixStore(SEED_GROUP, store),
         rank=rank,
         world_size=int(info["world_size"]),
-        timeout_s=timeout_s,
-        address=os.environ.get(HOST_IP_ENV) or None,
+        timeout_s=float(info["timeout_s"]),
+        group_name=SEED_GROUP,
     )
-    return store, group
 
 
 def _broadcast(group: dist.ProcessGroup, buffer: torch.Tensor, timeout_s: float) -> None:
@@ -64,7 +54,7 @@ def seed_tensors(engine: BucketEngine, parallel_config: Any) -> dict[str, Any]:
         return {}
     baseline = engine.baseline
     tensors = [[n, dtype_name(t.dtype), list(t.shape)] for n, t in baseline.tensors().items()]
-    return {"valid": baseline.valid and not baseline.open_delta, "tensors": tensors}
+    return {"valid": baseline.whole, "tensors": tensors}
 
 
 def send_seed(engine: BucketEngine, parallel_config: Any, info: dict[str, Any]) -> dict[str, float]:
@@ -73,7 +63,7 @@ def send_seed(engine: BucketEngine, parallel_config: Any, info: dict[str, Any]) 
     if worker_index(parallel_config) != 0:
         return {}
     baseline = engine.baseline
-    if not baseline.valid or baseline.open_delta:
+    if not baseline.whole:
         raise RuntimeError("this engine's weights are not a whole synced version: no seed")
     began = time.perf_counter()
     buckets = parse_buckets(info["buckets"])
