@@ -16,12 +16,12 @@ import pytest
 import requests
 import torch
 from engine_token import HEADERS, TOKEN
+from vime.weight_sync.transports.gloo import GlooTransport
+from vime.weight_sync.transports.shm import ShmTransport
 
 from vime.testing.hf import hf_greedy
 from vime.testing.tiny_model import build_tiny_model
 from vime.weight_sync.buckets import check_against_engine, pack, plan_buckets, tensor_digest
-from vime.weight_sync.transports.gloo import GlooTransport
-from vime.weight_sync.transports.shm import ShmTransport
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 

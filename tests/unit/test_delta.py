@@ -106,11 +106,3 @@ def test_a_delta_needs_a_full_sync_first_and_a_broken_one_invalidates_the_baseli
     engine.patch([("w", torch.ones(8))])
     engine.start()  # the next update begins: the open delta made the baseline unknown
     assert not engine.valid
-
-
-def test_delta_is_refused_where_vime_has_no_delta_receiver():
-    assert WeightSyncConfig(transport={"kind": "shm", "delta": True}).transport.delta
-    assert WeightSyncConfig(transport={"kind": "gloo", "delta": True}).transport.delta
-    for kind in ("nccl", "ipc"):
-        with pytest.raises(pydantic.ValidationError, match="delta sync runs over gloo and shm"):
-            WeightSyncConfig(transport={"kind": kind, "delta": True})

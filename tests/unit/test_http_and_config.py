@@ -110,7 +110,7 @@ def test_server_command_has_dev_mode_backend_and_extension():
     assert cmd[cmd.index("--host") + 1] == "127.0.0.3"
     assert env["VLLM_HOST_IP"] == "127.0.0.3" and env["VIME_HOST_IP"] == "127.0.0.3"
     assert cmd[cmd.index("--dtype") + 1] == "float32"
-    assert '{"backend": "gloo"}' in cmd and "--enable-scale-out" in cmd
+    assert '{"backend": "vime_broadcast"}' in cmd and "--enable-scale-out" in cmd
     # The extension vLLM's workers import by that path really is vime's (checked without
     # importing vLLM): a renamed module would start servers without the gloo/shm backends.
     extension = cmd[cmd.index("--worker-extension-cls") + 1]

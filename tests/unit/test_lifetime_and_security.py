@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import json
 import os
 import pickle
 import socket
@@ -15,6 +16,7 @@ import threading
 import time
 
 import pytest
+from vime.weight_sync.devices.cpu import ShmHandles, sweep_stale_segments
 
 from vime.config import EngineConfig
 from vime.rollout import auth
@@ -22,7 +24,6 @@ from vime.rollout.server import EngineStartError, build_server_command, check_vl
 from vime.rollout.watchdog import EngineFailedError, EngineWatchdog, probe
 from vime.utils.http import EngineHTTPError
 from vime.weight_sync.names import SEGMENT_NAME, check_segment_name
-from vime.weight_sync.transports.shm import ShmTransport, sweep_stale_segments
 
 pytestmark = pytest.mark.unit
 
@@ -72,13 +73,15 @@ def test_server_command_installs_the_token_check():
     assert "--middleware" not in cmd and auth.TOKEN_ENV not in env
 
 
-@pytest.mark.parametrize(("host", "token"), [("127.0.0.1", None), ("10.0.0.5", "t0k")])
-def test_ipc_backend_refused_without_loopback_and_token(host, token):
-    config = EngineConfig(model_path="/m", weight_transfer_backend="ipc")
-    with pytest.raises(ValueError, match="unpickles"):
-        build_server_command(config, 8000, host=host, token=token)
-    cmd, env = build_server_command(config, 8000, host="127.0.0.1", token="t0k")
-    assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+@pytest.mark.parametrize("kind", ["gloo", "nccl", "shm", "ipc"])
+def test_no_engine_backend_needs_insecure_serialization(kind):
+    """vime's receivers take CUDA IPC handles as JSON fields: nothing arriving over HTTP is
+    unpickled, whatever the transport (vLLM's own ipc engine needs pickles; vime never starts it)."""
+    config = EngineConfig(model_path="/m", weight_transfer_backend=kind)
+    cmd, env = build_server_command(config, 8000, host="10.0.0.5", token="t0k")
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in env
+    backend = {"gloo": "vime_broadcast", "nccl": "vime_broadcast"}.get(kind, "vime_colocated")
+    assert json.dumps({"backend": backend}) in cmd
 
 
 def test_engine_token_never_reaches_the_resolved_config():
@@ -108,9 +111,9 @@ def test_sweep_removes_only_segments_whose_creator_is_gone(tmp_path):
     assert SEGMENT_NAME.fullmatch(stale.name) and SEGMENT_NAME.fullmatch(live.name)
     assert sweep_stale_segments(str(tmp_path)) == [stale.name]
     assert not stale.exists() and live.exists() and other.exists()
-    ShmTransport(shm_dir=str(tmp_path))  # a transport sweeps when it starts
+    ShmHandles(shm_dir=str(tmp_path))  # the plug-in sweeps when it starts
     with pytest.raises(ValueError, match="prefix"):
-        ShmTransport(shm_dir=str(tmp_path), prefix="evil")
+        ShmHandles(shm_dir=str(tmp_path), prefix="evil")
 
 
 def test_errors_keep_their_type_and_fields_across_pickling():

@@ -11,6 +11,7 @@ import time
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from vime.config import WeightSyncConfig
@@ -19,7 +20,7 @@ from vime.weight_sync.session import WeightSyncError, call_engines, run_sync_ses
 
 pytestmark = pytest.mark.unit
 
-ONE_STAGE = {"pp_rank": 0, "pp_size": 1}
+ONE_STAGE = {"pp_size": 1}
 
 
 class FakeEngine:
@@ -72,9 +73,8 @@ def test_session_runs_phases_in_order(group):
         engines=engines,
         group=group,
         weight_version=7,
-        pp_rank=0,
         pp_size=1,
-        send_stage=lambda: log.append(("trainer", "send")),
+        stage_part=lambda stage: lambda: log.append(("trainer", "send")),
     )
     phases = [entry[1] for entry in log]
     assert (
@@ -98,7 +98,7 @@ def test_clear_cache_pause_needs_no_flush_call(group):
         group=group,
         weight_version=2,
         **ONE_STAGE,
-        send_stage=lambda: None,
+        stage_part=lambda stage: None,
         clear_cache=True,
     )
     # The pause itself reset the prefix cache (vLLM 0.32); the engine got no flush request.
@@ -111,7 +111,7 @@ def test_unflushable_prefix_cache_is_reported_not_fatal(group):
     log: list = []
     engines = [FakeEngine(log, "e0", hold_blocks=True), FakeEngine(log, "e1")]
     report = run_sync_session(
-        engines=engines, group=group, weight_version=1, **ONE_STAGE, send_stage=lambda: None
+        engines=engines, group=group, weight_version=1, **ONE_STAGE, stage_part=lambda stage: None
     )
     assert report.prefix_cache_flushed is False
     assert log[-1][1] == "resume"
@@ -129,7 +129,11 @@ def test_failure_names_phase_and_engine_and_resumes(group, phase):
 
     with pytest.raises(WeightSyncError) as info:
         run_sync_session(
-            engines=engines, group=group, weight_version=3, **ONE_STAGE, send_stage=send
+            engines=engines,
+            group=group,
+            weight_version=3,
+            **ONE_STAGE,
+            stage_part=lambda stage: send,
         )
     assert info.value.phase == phase
     if phase != "send":
@@ -163,7 +167,7 @@ def test_transport_kind_alone_or_with_its_fields():
     config = WeightSyncConfig.model_validate(
         {"transport": {"kind": "gloo", "master_port_range": [29600, 29699]}}
     )
-    assert config.transport.shape == "distributed"
+    assert config.transport.sync_shape == "broadcast"
     assert config.transport.master_port_range == (29600, 29699)
     assert WeightSyncConfig().transport.kind == "gloo"
 
@@ -181,37 +185,69 @@ def test_fields_of_another_transport_are_refused():
         WeightSyncConfig.model_validate({"transport": "tcp"})
 
 
-def test_registry_builds_each_kind_and_refuses_nccl_across_stages():
-    from vime.config import IpcTransportConfig, NcclTransportConfig, ShmTransportConfig
-    from vime.weight_sync.transports import TRANSPORTS, SenderPlace, make_transport
+@pytest.mark.parametrize("kind", ["gloo", "nccl", "shm", "ipc"])
+def test_each_kind_builds_its_shapes_transport_at_any_stage(kind):
+    """nccl and ipc with device: cpu are the same transports with the CPU plug-ins; any stage."""
+    from vime.weight_sync.transports import SenderPlace, make_transport
 
-    assert set(TRANSPORTS) == {"gloo", "nccl", "shm", "ipc"}
-
-    def place(pp_size: int) -> SenderPlace:
-        return SenderPlace(
-            pp_rank=1, pp_size=pp_size, engine_world_sizes=[1], bucket_bytes=1 << 20,
-            timeout_s=5,
-        )  # fmt: skip
-
-    shm = make_transport(ShmTransportConfig(), place(2))
+    config = WeightSyncConfig.model_validate(
+        {"transport": {"kind": kind, **({"device": "cpu"} if kind in ("nccl", "ipc") else {})}}
+    ).transport
+    place = SenderPlace(
+        pp_rank=3, engine_world_sizes=[2, 1], timeout_s=5, device=torch.device("cpu"),
+        device_id="cpu",
+    )  # fmt: skip
+    transport = make_transport(config, place)
     try:
-        assert shm.backend == "shm" and "-pp_1-" in shm.prefix  # each stage its own segments
+        if kind in ("gloo", "nccl"):
+            assert transport.backend == "vime_broadcast"
+            assert transport.communicator_cls.name == "gloo"  # the CPU plug-in
+            assert transport.group_name == "vime-pp_3" and transport.world_size == 4
+        else:
+            assert transport.backend == "vime_colocated"
+            assert transport.handles.name == "shm"
+            assert "-pp_3-" in transport.handles.prefix  # each stage its own segments
     finally:
-        shm.close()
-    assert make_transport(IpcTransportConfig(), place(1)).backend == "ipc"
-    with pytest.raises(ValueError, match="pipeline parallel size 2.*Use transport gloo"):
-        make_transport(NcclTransportConfig(), place(2))
+        transport.close()
 
 
-def test_ipc_placement_refuses_engine_workers_off_the_senders_gpu():
-    from vime.weight_sync.transports.ipc import check_ipc_placement
+def test_gpu_plugins_are_the_default_of_nccl_and_ipc_and_delta_runs_on_every_kind():
+    for kind, plugin in (("nccl", "nccl"), ("ipc", "ipc"), ("gloo", "gloo"), ("shm", "shm")):
+        config = WeightSyncConfig.model_validate({"transport": {"kind": kind, "delta": True}})
+        assert config.transport.plugin == plugin and config.transport.delta
 
-    check_ipc_placement(["GPU-a"], ["GPU-a", "GPU-a"], engine=0)  # TP=2 engine on the one GPU
-    with pytest.raises(ValueError, match=r"engine 1 worker 1 is on GPU GPU-b.*transport nccl"):
-        check_ipc_placement(["GPU-a"], ["GPU-a", "GPU-b"], engine=1)
-    with pytest.raises(ValueError, match=r"engine 0 worker 0 is on GPU GPU-a.*GPU-b"):
-        check_ipc_placement(["GPU-a", "GPU-b"], ["GPU-a"], engine=0)  # PP=2 senders on 2 GPUs
-    with pytest.raises(ValueError, match=r"engine 2 worker 0 runs on the CPU.*shm"):
-        check_ipc_placement(["GPU-a"], [None], engine=2)
-    with pytest.raises(ValueError, match=r"senders on a GPU"):
-        check_ipc_placement([], ["GPU-a"], engine=0)
+
+def test_broadcast_placement_refuses_two_group_members_on_one_device():
+    from vime.weight_sync.placement import RankPlace, check_broadcast_placement
+
+    sender = RankPlace(rank=2, pp_rank=1, is_sender=True, device="cuda:a")
+    check_broadcast_placement([sender], [["cuda:b", "cuda:c"], ["cuda:d"]])
+    check_broadcast_placement([sender], [["cpu", "cpu"]])  # the shared host: no device to clash
+    with pytest.raises(
+        ValueError, match=r"trainer rank 2 .*engine 1 worker 0 .*cuda:a.*device_ids"
+    ):
+        check_broadcast_placement([sender], [["cuda:b"], ["cuda:a"]])
+    with pytest.raises(ValueError, match=r"engine 0 worker 0 and engine 0 worker 1 .*cuda:b"):
+        check_broadcast_placement([sender], [["cuda:b", "cuda:b"]])
+
+
+def test_colocated_holders_one_rank_per_engine_device_the_sender_first():
+    from vime.weight_sync.placement import RankPlace, plan_holders
+
+    ranks = [
+        RankPlace(rank=0, pp_rank=0, is_sender=True, device="cuda:a"),
+        RankPlace(rank=1, pp_rank=0, is_sender=False, device="cuda:b"),
+        RankPlace(rank=2, pp_rank=1, is_sender=True, device="cuda:c"),
+        RankPlace(rank=3, pp_rank=1, is_sender=False, device="cuda:d"),
+    ]
+    # One TP=4 engine over the four GPUs: each stage's sender holds its own device only.
+    holders = plan_holders(ranks, [["cuda:a", "cuda:b", "cuda:c", "cuda:d"]])
+    assert holders[0] == {"cuda:a": 0, "cuda:b": 1, "cuda:c": 2, "cuda:d": 3}
+    assert holders[1] == holders[0]
+    # One engine on the second stage's sender's GPU: stage 0's bytes go to rank 2.
+    assert plan_holders(ranks, [["cuda:c"]]) == {0: {"cuda:c": 2}, 1: {"cuda:c": 2}}
+    # On one host (no distinct devices) every stage's sender holds its own buckets.
+    host = [RankPlace(r, r, True, "cpu") for r in range(2)]
+    assert plan_holders(host, [["cpu", "cpu"]]) == {0: {"cpu": 0}, 1: {"cpu": 1}}
+    with pytest.raises(ValueError, match=r"engine 0 worker 1 is on device cuda:e.*nccl"):
+        plan_holders(ranks, [["cuda:a", "cuda:e"]])

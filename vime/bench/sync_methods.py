@@ -137,9 +137,8 @@ def bench_control(
             engines=[engine],
             group=trainer.sync_group,
             weight_version=version + index,
-            pp_rank=0,
             pp_size=1,
-            send_stage=lambda: None,
+            stage_part=lambda stage: None,
             call_timeout_s=120,
             barrier_timeout_s=120,
         )

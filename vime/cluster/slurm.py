@@ -50,7 +50,7 @@ def check_layout(config: Any) -> None:
     if config.engine.external_urls:
         return
     transport = config.weight_sync.transport
-    if transport.shape == "tensor" and not slurm.colocated:
+    if transport.sync_shape == "colocated" and not slurm.colocated:
         raise ValueError(
             f"weight_sync.transport {transport.kind!r} reads the trainer's memory on the "
             f"engine's node, but cluster.slurm puts the engines on {slurm.engine_nodes} node(s) "
@@ -97,10 +97,10 @@ def layout_comment(config: Any) -> str:
         )
     lines.append(
         f"#   weight sync: {config.weight_sync.transport.kind} "
-        f"(UpdateWeightFrom{config.weight_sync.transport.shape.capitalize()}), from each "
+        f"({config.weight_sync.transport.sync_shape}), from each "
         "pipeline stage's sender"
     )
-    if config.weight_sync.transport.shape == "distributed" and not engine.external_urls:
+    if config.weight_sync.transport.sync_shape == "broadcast" and not engine.external_urls:
         tp = engine.tensor_parallel_size
         offsets = [1 + index * tp for index in range(engine.num_engines)]
         lines.append(

@@ -24,7 +24,8 @@ def _check_port_range(port_range: tuple[int, int] | None) -> None:
 class BroadcastTransportConfig(StrictModel):
     """A broadcast group per pipeline stage: the stage's sender is rank 0, engine workers follow."""
 
-    shape: ClassVar[str] = "distributed"  # the seed's UpdateWeightFromDistributed
+    # UpdateWeightFromDistributed: the engines receive broadcasts (vime_broadcast backend).
+    sync_shape: ClassVar[str] = "broadcast"
 
     master_address: str | None = Field(
         None,
@@ -57,53 +58,70 @@ DELTA_DESCRIPTION = (
 )
 
 
-def _refuse_delta(kind: str, delta: bool) -> None:
-    if delta:
-        raise ValueError(
-            f"weight_sync.transport.delta with kind {kind!r}: delta sync runs over gloo and shm "
-            "(vime's engine backends); vLLM's sparse NCCL engine is not wired into vime (never "
-            "run here): use kind gloo or shm, or delta: false"
-        )
+DEVICE_DESCRIPTION = (
+    "Where this transport's buffers live. cuda (the default): the GPU plug-in ({gpu}). cpu: the "
+    "same transport and engine receiver run with the CPU plug-in ({cpu}): what vime's test suite "
+    "runs on machines without a GPU; every line above the plug-in is the code a GPU job runs."
+)
 
 
 class GlooTransportConfig(BroadcastTransportConfig):
-    """CPU, engines reachable by TCP: broadcast over gloo (vime's `gloo` engine backend)."""
+    """CPU, engines reachable by TCP: broadcast over gloo."""
 
     kind: Literal["gloo"] = "gloo"
     delta: bool = Field(False, description=DELTA_DESCRIPTION)
 
+    @property
+    def plugin(self) -> str:
+        return "gloo"
+
 
 class NcclTransportConfig(BroadcastTransportConfig):
-    """GPU, engines on other GPUs: broadcast over NCCL (vLLM's `nccl` engine backend)."""
+    """GPU, engines on other GPUs: broadcast over NCCL, one group per pipeline stage."""
 
     kind: Literal["nccl"] = "nccl"
-    delta: bool = Field(False, description="Not available with nccl (see gloo's delta).")
+    delta: bool = Field(False, description=DELTA_DESCRIPTION)
+    device: Literal["cuda", "cpu"] = Field(
+        "cuda",
+        description=DEVICE_DESCRIPTION.format(
+            gpu="NCCL on the sender's GPU", cpu="a gloo group on CPU buffers"
+        ),
+    )
 
-    @model_validator(mode="after")
-    def _no_delta(self) -> NcclTransportConfig:
-        _refuse_delta(self.kind, self.delta)
-        return self
+    @property
+    def plugin(self) -> str:
+        return "nccl" if self.device == "cuda" else "gloo"
 
 
 class ShmTransportConfig(StrictModel):
-    """CPU, colocated: the engines map the POSIX shared-memory segments the senders wrote."""
+    """CPU, colocated: the engines map the POSIX shared-memory segments trainer ranks wrote."""
 
-    shape: ClassVar[str] = "tensor"  # the seed's UpdateWeightFromTensor
+    # UpdateWeightFromTensor: the engines open buffers on their device (vime_colocated backend).
+    sync_shape: ClassVar[str] = "colocated"
     kind: Literal["shm"] = "shm"
     delta: bool = Field(False, description=DELTA_DESCRIPTION)
 
+    @property
+    def plugin(self) -> str:
+        return "shm"
+
 
 class IpcTransportConfig(StrictModel):
-    """GPU, colocated: CUDA IPC handles of the senders' buffers (vLLM's `ipc` engine backend)."""
+    """GPU, colocated: engine workers open CUDA IPC handles of the trainer ranks on their GPU."""
 
-    shape: ClassVar[str] = "tensor"  # the seed's UpdateWeightFromTensor
+    sync_shape: ClassVar[str] = "colocated"
     kind: Literal["ipc"] = "ipc"
-    delta: bool = Field(False, description="Not available with ipc (see shm's delta).")
+    delta: bool = Field(False, description=DELTA_DESCRIPTION)
+    device: Literal["cuda", "cpu"] = Field(
+        "cuda",
+        description=DEVICE_DESCRIPTION.format(
+            gpu="CUDA IPC handles of GPU buffers", cpu="POSIX shared-memory segments"
+        ),
+    )
 
-    @model_validator(mode="after")
-    def _no_delta(self) -> IpcTransportConfig:
-        _refuse_delta(self.kind, self.delta)
-        return self
+    @property
+    def plugin(self) -> str:
+        return "ipc" if self.device == "cuda" else "shm"
 
 
 TransportConfig = Annotated[

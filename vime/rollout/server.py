@@ -25,10 +25,10 @@ from vime.config import EngineConfig
 from vime.rollout import auth
 from vime.rollout.cpu_binding import cpu_core_binding, sync_load_cores
 from vime.utils.keeper import KeptProcess, spawn_kept
-from vime.utils.net import free_port, is_loopback
+from vime.utils.net import free_port
 from vime.utils.preemption import read_notice
 from vime.utils.process_group import end_group
-from vime.weight_sync.names import LOAD_CORES_ENV
+from vime.weight_sync.names import ENGINE_BACKENDS, LOAD_CORES_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +94,8 @@ def build_server_command(
 ) -> tuple[list[str], dict[str, str]]:
     """The argv and environment of engine `rank`'s vLLM server for `config`, on `host:port`.
 
-    `token`: every route then requires it (vime.rollout.auth). The ipc backend unpickles what
-    /update_weights receives, so it is refused without a token and a loopback `host`.
+    `token`: every route then requires it (vime.rollout.auth). No weight-transfer backend vime
+    starts unpickles anything (CUDA IPC handles travel as JSON fields).
 
     `node`: this process's part of a multi-node engine (config.num_nodes > 1); a headless node
     runs `vllm serve --headless` (vime.rollout.vllm_cli), which serves no HTTP.
@@ -136,7 +136,8 @@ def build_server_command(
     if config.enforce_eager:
         cmd.append("--enforce-eager")
     if config.weight_transfer_backend is not None:
-        cmd += ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer_backend})]
+        backend = ENGINE_BACKENDS[config.weight_transfer_backend]
+        cmd += ["--weight-transfer-config", json.dumps({"backend": backend})]
     if config.worker_extension_cls is not None:
         cmd += ["--worker-extension-cls", config.worker_extension_cls]
     if _has_cuda():
@@ -157,16 +158,6 @@ def build_server_command(
         env[HOST_IP_ENV] = host
     if token:
         env[auth.TOKEN_ENV] = token
-    if config.weight_transfer_backend == "ipc":
-        if not (token and is_loopback(host)):
-            raise ValueError(
-                "engine.weight_transfer_backend='ipc': vLLM unpickles the IPC handles that "
-                "/update_weights receives, so whoever can POST there runs code as the server's "
-                f"user. vime starts it only on a loopback host with a token (host={host!r}, "
-                f"token {'set' if token else 'missing'}): set engine.host=127.0.0.1 and leave "
-                "engine.auth_token to the job (or set one)"
-            )
-        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # pickled IPC handles over HTTP
     if not _has_cuda():
         workers_here = config.tensor_parallel_size // config.num_nodes
         binding = cpu_core_binding(rank, config.num_engines, workers_here)

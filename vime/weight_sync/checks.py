@@ -1,8 +1,9 @@
 """What the updater checks against the engines: before any byte moves, and after a sync.
 
 - `check_engines`: every worker of every engine serves the trainer's HF names, dtypes and shapes
-  (a tensor may be sent narrower when the cast is exact), runs the transport's backend and, for
-  ipc, sits on the senders' GPU; every rank raises the same ValueError otherwise.
+  (a tensor may be sent narrower when the cast is exact), runs the backend of the transport's
+  shape, and sits on a device the transport's plug-in can reach (a GPU for nccl and ipc); every
+  rank raises the same ValueError otherwise. Each worker's device id comes back for placement.
 - `verify_engines`: every worker's sha256 of its part of each tensor equals the trainer's digest
   of the same slice (weight_sync.verify_checksums).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,9 +20,9 @@ import torch.distributed as dist
 
 from vime.megatron.gather import HFWeightMeta
 from vime.weight_sync.buckets import check_against_engine, dtype_from_name, tensor_digest
+from vime.weight_sync.names import ENGINE_BACKENDS
 from vime.weight_sync.session import WeightSyncError, call_engines
 from vime.weight_sync.shards import Shard, WorkerLayout, worker_layout
-from vime.weight_sync.transports.ipc import check_ipc_placement
 
 logger = logging.getLogger(__name__)
 
@@ -34,52 +36,60 @@ def digest(tensor: torch.Tensor, dtype: str, shard: Shard | None) -> str:
     return tensor_digest(part.to(dtype_from_name(dtype)))
 
 
+@dataclass(frozen=True)
+class EngineFacts:
+    """What `check_engines` found, per engine, per worker."""
+
+    layouts: list[list[WorkerLayout]]  # HF name -> served dtype and slice
+    devices: list[list[str]]  # device ids (`vime.weight_sync.devices.device_id`)
+
+
 def check_engines(
     engines: Sequence[Any],
     metadata: list[HFWeightMeta],
     *,
     kind: str,
-    is_sender: bool,
+    plugin: str,
     group: Any,
     timeout_s: float,
-) -> list[list[WorkerLayout]]:
+) -> EngineFacts:
     """Compare the trainer's HF names, dtypes and shapes with every engine's; no bytes move.
 
     Rank 0 first reads how each engine was started (GET /server_info: its weight-transfer
-    backend must be `weight_sync.transport`, its workers tp x pp x dp), then asks every
-    worker of every engine (vime_weight_metadata over collective_rpc) and tells every rank
+    backend must receive transport `kind`, its workers tp x pp x dp), then asks every worker of
+    every engine (vime_weight_metadata, vime_device_id over collective_rpc) and tells every rank
     the verdict, so all ranks raise the same ValueError naming the worker and the mismatched
     tensors. A tensor may be sent narrower than the engine serves it when the cast is exact
-    (vLLM's CPU build keeps some tensors of bfloat16 models in float32). Each worker's
-    served dtypes and slices (tensor parallelism) are returned, for `verify_engines`.
+    (vLLM's CPU build keeps some tensors of bfloat16 models in float32). `plugin` (nccl, ipc:
+    GPU) must reach every worker's device. Each worker's served dtypes and slices (tensor
+    parallelism) and device come back, for placement and `verify_engines`.
     """
     problem: str | None = None
-    served: list[list[WorkerLayout]] = []
-    sender_gpus: list[str] = []
-    if kind == "ipc":  # every stage sender's GPU, for the placement check
-        mine = None
-        if is_sender and torch.cuda.is_available():
-            mine = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-        everyone: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
-        sender_gpus = [gpu for gpu in everyone if gpu is not None]
+    facts: list[Any] = []
     if dist.get_rank(group) == 0:
         specs = [(m.name, m.dtype, m.shape) for m in metadata]
+        backend = ENGINE_BACKENDS[kind]
 
-        def check(engine: Any) -> list[WorkerLayout]:
+        def check(engine: Any) -> tuple[list[WorkerLayout], list[str]]:
             # What the engine was started with, before any group is built or byte sent.
             layout = engine.transfer_layout()
-            if layout["backend"] != kind:
+            if layout["backend"] != backend:
                 raise ValueError(
-                    f"the engine runs weight-transfer backend {layout['backend']!r} but "
-                    f"weight_sync.transport is {kind!r}: start it with "
-                    f'--weight-transfer-config \'{{"backend": "{kind}"}}\''
+                    f"the engine runs weight-transfer backend {layout['backend']!r}, which does "
+                    f"not receive weight_sync.transport {kind!r}: start it with vime's worker "
+                    f'extension and --weight-transfer-config \'{{"backend": "{backend}"}}\''
                 )
-            if kind == "ipc":
-                gpus = engine.collective_rpc("vime_gpu_uuid")
-                check_ipc_placement(sender_gpus, gpus, engines.index(engine))
+            devices = [str(d) for d in engine.collective_rpc("vime_device_id")]
+            if plugin in ("nccl", "ipc"):
+                on_cpu = [w for w, device in enumerate(devices) if not device.startswith("cuda:")]
+                if on_cpu:
+                    raise ValueError(
+                        f"workers {on_cpu} run on {devices[on_cpu[0]]}, but transport {kind!r} "
+                        f"moves GPU buffers ({plugin}): run the engines on GPUs, or set "
+                        f"weight_sync.transport.device: cpu on a machine without one"
+                    )
             workers = engine.collective_rpc("vime_weight_metadata")
-            if len(workers) != layout["world_size"]:
+            if len(workers) != layout["world_size"] or len(devices) != len(workers):
                 raise ValueError(
                     f"{len(workers)} workers answered, the engine's parallel config has "
                     f"{layout['world_size']}"
@@ -99,17 +109,20 @@ def check_engines(
                     "engine %d: ended a weight update an earlier trainer left open",
                     list(engines).index(engine),
                 )
-            return layouts
+            return layouts, devices
 
         try:
-            served = call_engines(engines, "check", check, timeout_s=timeout_s)
+            facts = call_engines(engines, "check", check, timeout_s=timeout_s)
         except WeightSyncError as exc:
             problem = str(exc)
-    verdict: list[Any] = [problem, served]
+    verdict: list[Any] = [problem, facts]
     dist.broadcast_object_list(verdict, group=group, group_src=0)
     if verdict[0] is not None:
         raise ValueError(f"trainer weights do not fit the engines, nothing was sent: {verdict[0]}")
-    return verdict[1]
+    return EngineFacts(
+        layouts=[layouts for layouts, _ in verdict[1]],
+        devices=[devices for _, devices in verdict[1]],
+    )
 
 
 def verify_engines(

@@ -1,7 +1,7 @@
-"""Drives the shipped `IpcTransport` on one GPU without vLLM: the transport packs, exports and
-posts each bucket exactly as in a sync; the "engine" is a second process that opens the handle
-the way vLLM's IPC engine does (the update_info's `ipc_handles_pickled`, keyed by GPU UUID),
-reads the tensors bit for bit and answers, so the transport may refill its buffer.
+"""Drives the shipped colocated transport with its CUDA IPC plug-in on one GPU without vLLM: the
+transport packs, exports and posts each bucket exactly as in a sync; the "engine" is a second
+process that opens each bucket's handle with the receiver's own plug-in code (`IpcHandles.open`,
+the handle of its GPU's device id), reads the tensors bit for bit and answers.
 
     python -m vime.weight_sync.ipc_check [--mib 256] [--repeats 5]
 
@@ -12,9 +12,7 @@ CUDA. (The update goes to the consumer over a local multiprocessing queue, not o
 from __future__ import annotations
 
 import argparse
-import base64
 import json
-import pickle
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -24,56 +22,47 @@ import torch.multiprocessing as mp
 
 from vime.weight_sync.buckets import Bucket, plan_buckets, tensor_digest, unpack
 from vime.weight_sync.buckets import pack as pack_bucket
-from vime.weight_sync.transports.ipc import IpcTransport
+from vime.weight_sync.devices import device_id
+from vime.weight_sync.devices.cuda import IpcHandles
+from vime.weight_sync.transports.colocated import ColocatedTransport
 
 
 def _consumer(requests: Any, answers: Any) -> None:
-    """The engine's side, one update_info after another until None, as vLLM 0.32's packed IPC
-    consumer does it: the handle for this GPU's UUID, the device index replaced by the
-    receiver's, one mapping per export (kept while the args repeat, released once), each tensor
-    cloned out before the answer."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    device_index = torch.cuda.current_device()
-    uuid = str(torch.cuda.get_device_properties(device_index).uuid)
-    mapped: tuple[tuple, torch.Tensor] | None = None
+    """The engine's side, one update_info after another until None, as vime's colocated receiver
+    does it: the handle of this worker's device id, opened once and kept while it repeats; each
+    tensor cloned out before the answer (the check's copy, not the receiver's)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    mine = device_id(device)
+    opened: dict[str, torch.Tensor] = {}
     while (info := requests.get()) is not None:
         started = time.perf_counter()
-        handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))  # local, trusted
-        if uuid not in handles:
-            answers.put({"error": f"no handle for GPU {uuid}: {sorted(handles)}"})
-            continue
-        args = list(handles[uuid])
-        args[6] = device_index
-        if mapped is None or mapped[0] != tuple(args):
-            mapped = (tuple(args), rebuild_cuda_tensor(*args))
-        buffer = mapped[1]
-        offsets = [sum(info["tensor_sizes"][:i]) for i in range(len(info["tensor_sizes"]))]
-        described = {
-            "index": 0,
-            "offsets": offsets,  # dense: vLLM's IPC engine reads the tensors back to back
-            "nbytes": sum(info["tensor_sizes"]),
-            "names": info["names"],
-            "dtype_names": info["dtype_names"],
-            "shapes": info["shapes"],
-        }
+        (described,) = info["buckets"]
         bucket = Bucket.from_dict(described)
-        views = {name: view.clone() for name, view in unpack(buffer[: bucket.nbytes], bucket)}
+        handle = described["handles"].get(mine)
+        if handle is None:
+            answers.put({"error": f"no handle for device {mine}: {sorted(described['handles'])}"})
+            continue
+        key = IpcHandles.key(handle)
+        if key not in opened:
+            opened[key] = IpcHandles.open(handle, bucket.nbytes, device)
+        views = {n: v.clone() for n, v in unpack(opened[key][: bucket.nbytes], bucket)}
         torch.cuda.synchronize()
         read_s = time.perf_counter() - started
         digests = {n: tensor_digest(t) for n, t in views.items()}  # the check's own cost
         digest_s = time.perf_counter() - started - read_s
         answers.put({"read_s": read_s, "digest_s": digest_s, "digests": digests})
-    mapped = None
+    opened.clear()
 
 
 def send_through_ipc(
     tensors: Mapping[str, torch.Tensor], bucket_bytes: int, repeats: int = 1
 ) -> list[dict[str, Any]]:
-    """Send `tensors` (on this GPU) through the shipped IpcTransport to a consumer process,
+    """Send `tensors` (on this GPU) through the shipped colocated transport to a consumer process,
     `repeats` times; per run: timings and whether the consumer read every tensor bit for bit."""
     meta = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
-    buckets = plan_buckets(meta, max_bucket_bytes=bucket_bytes, alignment=IpcTransport.alignment)
+    buckets = plan_buckets(
+        meta, max_bucket_bytes=bucket_bytes, alignment=ColocatedTransport.alignment
+    )
     num_bytes = sum(b.nbytes for b in buckets)
     expected = {name: tensor_digest(t) for name, t in tensors.items()}
     ctx = mp.get_context("spawn")
@@ -99,7 +88,10 @@ def send_through_ipc(
         timer["pack"] += time.perf_counter() - began
 
     results = []
-    transport = IpcTransport(timeout_s=120)
+    device = torch.device("cuda", torch.cuda.current_device())
+    transport = ColocatedTransport(
+        handles=IpcHandles(device), device_id=device_id(device), device=device, timeout_s=120
+    )
     try:
         transport.connect([lambda info: None])
         for _ in range(repeats):
@@ -178,7 +170,7 @@ def run_check(num_mib: int, repeats: int, shape: str | None = None) -> dict:
             ),
             "model.norm.weight": torch.randn(4096, device="cuda", dtype=torch.float32),
         }
-        # Two buckets: the transport reuses its one staging buffer across them.
+        # Two buckets, each in a buffer of its own, refilled by the later repeats.
         bucket_bytes = num_mib * 1024**2 // 2
     results = send_through_ipc(tensors, bucket_bytes, repeats)
     return {

@@ -9,7 +9,19 @@ from __future__ import annotations
 import re
 
 DEFAULT_GROUP_NAME = "vime-weight-sync"
-"""The gloo backend's group when the trainer names none (each pp stage names its own)."""
+"""The broadcast backend's group when the trainer names none (each pp stage names its own)."""
+
+ABORT_KEY = "vime-abort"
+"""Set in a broadcast group's store by its sender when it gives up on a sync: receivers stop
+waiting for buckets that will never come."""
+
+BROADCAST_BACKEND = "vime_broadcast"
+"""The engines' --weight-transfer-config backend for transport kinds gloo and nccl."""
+COLOCATED_BACKEND = "vime_colocated"
+"""... and for shm and ipc."""
+ENGINE_BACKENDS = {"gloo": BROADCAST_BACKEND, "nccl": BROADCAST_BACKEND}
+ENGINE_BACKENDS |= {"shm": COLOCATED_BACKEND, "ipc": COLOCATED_BACKEND}
+"""Transport kind -> the engine backend that receives it (one receiver per sync shape)."""
 
 LOAD_CORES_ENV = "VIME_SYNC_LOAD_CORES"
 """The server's environment variable naming the CPU cores a worker may load weights on during a

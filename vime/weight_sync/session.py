@@ -1,6 +1,6 @@
 """The weight-sync session: the one place that orders pause, update and resume across trainer ranks.
 
-`run_sync_session` is the seed's sequence, top to bottom: rank 0 pauses every engine (keep) and
+`run_sync_session` is the whole sync, top to bottom: rank 0 pauses every engine (keep) and
 flushes their prefix caches, starts the update, each pipeline stage sends in its turn, rank 0
 finishes the update with the new version and resumes the engines. Every trainer rank runs the
 same lines (ranks other than 0 with no engines to call), and every step ends in a *checked
@@ -148,9 +148,8 @@ def run_sync_session(
     engines: Sequence[Engine],
     group: Any,
     weight_version: int,
-    pp_rank: int,
     pp_size: int,
-    send_stage: Callable[[], None],
+    stage_part: Callable[[int], Callable[[], None] | None],
     verify: Callable[[], None] | None = None,
     clear_cache: bool = False,
     resume_on_failure: bool = True,
@@ -158,9 +157,10 @@ def run_sync_session(
     barrier_timeout_s: float = 600.0,
 ) -> SyncReport:
     """One weight sync, called on every trainer rank of the gloo `group` with the same arguments
-    except `pp_rank` and `send_stage` (what this rank does in its stage's turn: the stage's ranks
-    gather, its sender moves the buckets). The caller has already incremented `weight_version`
-    and checked names, dtypes and shapes against the engines.
+    except `stage_part`: what this rank does in pipeline stage k's turn, `stage_part(k)` (None:
+    nothing; the stage's ranks gather, its sender moves the buckets, holder ranks of a colocated
+    transport receive them). The caller has already incremented `weight_version` and checked
+    names, dtypes and shapes against the engines.
 
     With clear_cache=False and requests in flight, the frozen requests hold KV blocks and the
     prefix cache cannot be flushed before resume: that is reported as
@@ -189,7 +189,7 @@ def run_sync_session(
         with control.updating(weight_version):
             step("start", control.start)
             for stage in range(pp_size):  # stages take turns: one engine loads one at a time
-                step("send", send_stage if stage == pp_rank else None, f"pp stage {stage}")
+                step("send", stage_part(stage), f"pp stage {stage}")
             step("finish", lambda: control.finish(str(weight_version)))
         if verify is not None:
             step("verify", verify)

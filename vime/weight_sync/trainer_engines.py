@@ -1,15 +1,15 @@
-"""vime's gloo and shm backends under vLLM's trainer-side contract (weight_transfer API).
+"""vime's two backends under vLLM's trainer-side contract (weight_transfer API).
 
-Importing this module registers `gloo` and `shm` in vLLM's `WeightTransferTrainerFactory`, the
-same names as the engine backends, so a trainer written against vLLM's API can use vime's CPU
-backends exactly as it uses vLLM's own NCCL or IPC ones:
+Importing this module registers `vime_broadcast` and `vime_colocated` in vLLM's
+`WeightTransferTrainerFactory`, the same names as the engine backends, so a trainer written
+against vLLM's API can use vime's backends exactly as it uses vLLM's own NCCL or IPC ones:
 
-    import vime.weight_sync.trainer_engines  # registers "gloo" and "shm"
+    import vime.weight_sync.trainer_engines  # registers vime_broadcast and vime_colocated
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     sender = WeightTransferTrainerFactory.trainer_init(
-        GlooTrainerInitInfo(rank=0, engine_world_size=1),
+        BroadcastTrainerInitInfo(rank=0, engine_world_size=1),
         client=VLLMEngine(config, url=url),   # any VLLMWeightSyncClient
         source=ModuleSource(model),           # (HF name, tensor) pairs, the same order each round
     )
@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
+import torch
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
     TrainerWeightTransferEngine,
@@ -35,33 +36,39 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 from vime.weight_sync.buckets import Bucket, pack, plan_buckets, take_bucket_tensors
-from vime.weight_sync.names import DEFAULT_GROUP_NAME
+from vime.weight_sync.devices import device_id, handles_class
+from vime.weight_sync.names import BROADCAST_BACKEND, COLOCATED_BACKEND, DEFAULT_GROUP_NAME
 from vime.weight_sync.transports.base import Transport
-from vime.weight_sync.transports.gloo import GlooTransport
-from vime.weight_sync.transports.shm import ShmTransport
+from vime.weight_sync.transports.broadcast import BroadcastTransport
+from vime.weight_sync.transports.colocated import ColocatedTransport
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 
 
 @dataclass
-class GlooTrainerInitInfo(TrainerInitInfo):
+class BroadcastTrainerInitInfo(TrainerInitInfo):
     """The sender's rendezvous for one engine of `engine_world_size` workers (rank offset 1)."""
 
-    backend: ClassVar[str] = "gloo"
+    backend: ClassVar[str] = BROADCAST_BACKEND
 
     engine_world_size: int = 1
     master_address: str = "127.0.0.1"  # must be reachable from every engine worker
     master_port: int = 0  # 0: a free one
     group_name: str = DEFAULT_GROUP_NAME
+    communicator: str = "gloo"  # or "nccl" (a GPU sender, `device`)
+    device: str = "cpu"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     timeout_s: float = 600.0
 
 
 @dataclass
-class ShmTrainerInitInfo(TrainerInitInfo):
-    """Colocated: the engine maps the segments this sender writes in /dev/shm."""
+class ColocatedTrainerInitInfo(TrainerInitInfo):
+    """Colocated: the engine opens the buffers this sender fills on its device (one device)."""
 
-    backend: ClassVar[str] = "shm"
+    backend: ClassVar[str] = COLOCATED_BACKEND
+
+    handles: str = "shm"  # or "ipc" (a GPU sender, `device`)
+    device: str = "cpu"
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     timeout_s: float = 600.0
@@ -141,13 +148,15 @@ class BucketTrainerEngine(TrainerWeightTransferEngine):
             self.transport = None
 
 
-class GlooTrainerEngine(BucketTrainerEngine):
-    init_info_cls = GlooTrainerInitInfo
+class BroadcastTrainerEngine(BucketTrainerEngine):
+    init_info_cls = BroadcastTrainerInitInfo
 
     @staticmethod
     def make_transport(init_info: Any) -> Transport:
-        return GlooTransport(
+        return BroadcastTransport(
             engine_world_sizes=[init_info.engine_world_size],
+            communicator=init_info.communicator,
+            device=init_info.device,
             master_address=init_info.master_address,
             master_port=init_info.master_port,
             group_name=init_info.group_name,
@@ -155,17 +164,26 @@ class GlooTrainerEngine(BucketTrainerEngine):
         )
 
 
-class ShmTrainerEngine(BucketTrainerEngine):
-    init_info_cls = ShmTrainerInitInfo
+class ColocatedTrainerEngine(BucketTrainerEngine):
+    init_info_cls = ColocatedTrainerInitInfo
 
     @staticmethod
     def make_transport(init_info: Any) -> Transport:
-        return ShmTransport(timeout_s=init_info.timeout_s)
+        device = torch.device(init_info.device)
+        return ColocatedTransport(
+            handles=handles_class(init_info.handles)(device),
+            device_id=device_id(device),
+            device=device,
+            timeout_s=init_info.timeout_s,
+        )
 
 
 def register_trainer_engines() -> None:
     """Register vime's trainer engines with vLLM's factory (idempotent)."""
-    for name, engine_cls in (("gloo", GlooTrainerEngine), ("shm", ShmTrainerEngine)):
+    for name, engine_cls in (
+        (BROADCAST_BACKEND, BroadcastTrainerEngine),
+        (COLOCATED_BACKEND, ColocatedTrainerEngine),
+    ):
         if name not in WeightTransferTrainerFactory._registry:
             WeightTransferTrainerFactory.register_engine(name, engine_cls)
 

@@ -3,11 +3,12 @@
 Every trainer rank builds the same updater and calls `connect()` once, then `update_weights()`
 after each optimizer step. Each pipeline stage's *pp sender* (its tp=cp=dp rank 0, see
 `Topology.is_pp_sender`) gathers the stage's full HF tensors and moves them with a transport of
-its own, built from `weight_sync.transport`, which also decides the seed's shape: gloo / nccl
-are UpdateWeightFromDistributed (one broadcast group per stage, named `vime-pp_K`, of world size
-1 + all engines' workers; engine e's workers at rank offset 1 + the workers of engines before
-it), shm / ipc are UpdateWeightFromTensor (colocated engines read the senders' buffers). Stages
-take turns inside the session (`session.run_sync_session`).
+its own, built from `weight_sync.transport` (`vime.weight_sync.transports`), in one of two shapes:
+broadcast (gloo, nccl: one group per stage, named `vime-pp_K`, of world size 1 + all engines'
+workers; engine e's workers at rank offset 1 + the workers of engines before it) or colocated
+(shm, ipc: engine workers open buffers of the trainer rank on their own device; where engine
+workers sit on several devices, a holder rank per device gets each bucket from the sender first).
+Stages take turns inside the session (`session.run_sync_session`).
 
     updater = WeightUpdater(config=sync_config, engines=engines, model=model,
                             converter=converter, topology=topology,
@@ -22,7 +23,6 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -36,12 +36,12 @@ from vime.megatron.topology import Topology
 from vime.utils.timing import PhaseTimer
 from vime.weight_sync.buckets import (
     Bucket,
-    pack,
     plan_buckets,
-    take_bucket_tensors,
 )
-from vime.weight_sync.checks import Served, check_engines, digest, verify_engines
+from vime.weight_sync.checks import Served, check_engines, verify_engines
 from vime.weight_sync.delta import DeltaEncoder, DeltaStats
+from vime.weight_sync.devices import device_id, plugin_device
+from vime.weight_sync.placement import RankPlace, plan_spreads
 from vime.weight_sync.session import (
     CheckedSteps,
     SyncReport,
@@ -50,7 +50,9 @@ from vime.weight_sync.session import (
     run_sync_session,
 )
 from vime.weight_sync.shards import WorkerLayout
-from vime.weight_sync.transports import SenderPlace, Transport, make_transport
+from vime.weight_sync.stage_send import StageSend
+from vime.weight_sync.transports import SenderPlace, Spread, Transport, make_transport
+from vime.weight_sync.transports.colocated import ColocatedTransport
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +105,16 @@ class WeightUpdater:
         self._delta_valid = False
         self.delta_stats: DeltaStats | None = None
         self.transport: Transport | None = None
+        # Colocated, engine workers on several devices: per pp stage this rank holds buckets for
+        # (and does not send), its receiving transport.
+        self.holding: dict[int, ColocatedTransport] = {}
+        self._spread_groups: dict[tuple[int, ...], tuple[Any, Any]] = {}  # members -> groups
+        # A failed sync leaves groups out of step: every rank reconnects before the next one.
+        self._needs_connect = False
         # Per engine, per worker: HF name -> the dtype it serves (may be wider than sent) and the
         # slice of the whole tensor it holds (tensor parallelism); read by check_engines.
         self.engine_layouts: list[list[WorkerLayout]] = []
+        self.engine_devices: list[list[str]] = []  # per engine, per worker: its device id
         self.buckets: list[Bucket] = []
         self._timeout = timedelta(seconds=config.transfer_timeout_s)
         self._send_timer = PhaseTimer()
@@ -125,33 +134,32 @@ class WeightUpdater:
         return [m for m in self.metadata if m.pp_stage == self.topology.pp_rank]
 
     @property
-    def shape(self) -> str:
-        """The seed's name for what the transport does: UpdateWeightFrom{Distributed,Tensor}."""
-        return f"UpdateWeightFrom{self.config.transport.shape.capitalize()}"
+    def sync_shape(self) -> str:
+        """ "broadcast" (gloo, nccl) or "colocated" (shm, ipc)."""
+        return self.config.transport.sync_shape
 
-    def make_transport(self) -> Transport:
-        """This sender's transport for `config.transport` (not yet connected)."""
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's buffers live (`devices.plugin_device`)."""
+        return plugin_device(self.config.transport.plugin)
+
+    @property
+    def device_id(self) -> str:
+        return device_id(self.device)
+
+    def make_transport(self, stage: int, spread: Spread | None = None) -> Transport:
+        """This rank's transport for pipeline stage `stage` (not yet connected)."""
         place = SenderPlace(
-            pp_rank=self.topology.pp_rank,
-            pp_size=self.topology.pp_size,
+            pp_rank=stage,
             engine_world_sizes=self.engine_world_sizes,
-            bucket_bytes=self.config.update_weight_buffer_size,
             timeout_s=self.config.transfer_timeout_s,
+            device=self.device,
+            device_id=self.device_id,
+            spread=spread,
         )
         return make_transport(self.config.transport, place)
 
     # ---- setup ------------------------------------------------------------------------------
-
-    def check_engines(self) -> None:
-        """The pre-send check (`checks.check_engines`); keeps each worker's layout."""
-        self.engine_layouts = check_engines(
-            self.engines,
-            self.metadata,
-            kind=self.config.transport.kind,
-            is_sender=self.is_sender,
-            group=self.sync_group,
-            timeout_s=self.config.transfer_timeout_s,
-        )
 
     def share_metadata(self) -> None:
         """Every rank gets every stage's HF tensors (each pp sender lists its own, from the
@@ -186,12 +194,32 @@ class WeightUpdater:
         if not keep_delta:
             self.reset_delta()  # new or restarted engines hold no baseline
         self.share_metadata()
-        self.check_engines()
+        facts = check_engines(  # names, dtypes, shapes, backends and devices; nothing moves
+            self.engines,
+            self.metadata,
+            kind=self.config.transport.kind,
+            plugin=self.config.transport.plugin,
+            group=self.sync_group,
+            timeout_s=self.config.transfer_timeout_s,
+        )
+        self.engine_layouts, self.engine_devices = facts.layouts, facts.devices
+        here = RankPlace(dist.get_rank(), self.topology.pp_rank, self.is_sender, self.device_id)
+        spreads = plan_spreads(  # where the bytes may go; colocated: the holders' groups
+            here,
+            self.engine_devices,
+            sync_shape=self.sync_shape,
+            device=self.device,
+            group=self.sync_group,
+            timeout_s=self.config.transfer_timeout_s,
+            groups=self._spread_groups,
+        )
 
         def join() -> None:
             if not self.is_sender:
                 return
-            self.transport = self.make_transport()
+            self.transport = self.make_transport(
+                self.topology.pp_rank, spreads.get(self.topology.pp_rank)
+            )
             self.buckets = plan_buckets(
                 [(m.name, m.dtype, m.shape) for m in self.stage_metadata],
                 self.config.update_weight_buffer_size,
@@ -202,21 +230,31 @@ class WeightUpdater:
         step = CheckedSteps(self.sync_group, self.config.barrier_timeout_s, {}, "weight sync")
         for stage in range(self.topology.pp_size):  # stages take turns, as in a sync
             step("connect", join if stage == self.topology.pp_rank else None, f"pp stage {stage}")
+        for stage, spread in spreads.items():
+            if spread.holds and not spread.is_sender:
+                holder = self.make_transport(stage, spread)
+                assert isinstance(holder, ColocatedTransport)
+                self.holding[stage] = holder
+        self._needs_connect = False
         logger.log(
             logging.INFO if dist.get_rank(self.sync_group) == 0 else logging.DEBUG,
-            "weight sync (%s, %s) connected to %d engines%s",
-            self.shape,
+            "weight sync (%s, %s) connected to %d engines%s%s",
+            self.sync_shape,
             self.config.transport.kind,
             len(self.engines),
             f"; pp stage {self.topology.pp_rank} sends {len(self.buckets)} buckets"
             if self.is_sender
             else "",
+            f"; holds buckets of pp stages {sorted(self.holding)}" if self.holding else "",
         )
 
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+        for holder in self.holding.values():
+            holder.close()
+        self.holding = {}
 
     # ---- one sync ------------------------------------------------------------------------
 
@@ -232,9 +270,12 @@ class WeightUpdater:
         update gives every layer it did not load its previous tensors back): the engines stay
         paused on the previous weights while this rank reconnects and sends the same version in
         full, and resume only after that (or after it failed too)."""
-        if self.is_sender and self.transport is None:
+        if self.is_sender and self.transport is None and not self._needs_connect:
             raise RuntimeError("call connect() before update_weights()")
         version = self.weight_version + 1 if version is None else version
+        if self._needs_connect:  # the last sync failed: rebuild every group before this one
+            self.close()
+            self.connect()
         # Every rank takes the same mode: the encoder's validity is the same on every rank (it
         # is set only after a sync every rank saw succeed, reset by every failure or reconnect).
         mode = "dense"
@@ -253,20 +294,33 @@ class WeightUpdater:
         """One session sending in `mode` (see `_send_stage`); a failed delta leaves the
         engines paused."""
         self._send_timer.reset()
-        sent: dict[str, dict[Served, str]] = {}  # name -> {(served dtype, slice): digest}
-        counts = {"buckets": 0, "bytes": 0}
+        send = StageSend(
+            mode=mode,
+            plan=self.plan,
+            gather_groups=self.gather_groups,
+            pp_rank=self.topology.pp_rank,
+            transport=self.transport if self.is_sender else None,
+            holding=self.holding,
+            buckets=self.buckets,
+            engines=self.engines,
+            engine_layouts=self.engine_layouts if self.config.verify_checksums else None,
+            delta=self.delta,
+            bucket_bytes=self.config.update_weight_buffer_size,
+            timeout=self._timeout,
+            timer=self._send_timer,
+        )
         verify = None
         if self.config.verify_checksums:
-            verify = (lambda: self._verify(sent, version)) if self.is_sender else (lambda: None)
-        self.delta_stats = None
+            verify = (
+                (lambda: self._verify(send.sent, version)) if self.is_sender else (lambda: None)
+            )
         try:
             report = run_sync_session(
                 engines=self.engines,
                 group=self.sync_group,
                 weight_version=version,
-                pp_rank=self.topology.pp_rank,
                 pp_size=self.topology.pp_size,
-                send_stage=lambda: self._send_stage(sent, counts, mode),
+                stage_part=send.part,
                 verify=verify,
                 clear_cache=self.config.clear_cache_on_pause,
                 call_timeout_s=self.config.transfer_timeout_s,
@@ -274,17 +328,20 @@ class WeightUpdater:
                 resume_on_failure=mode != "delta",
             )
         except WeightSyncError:
-            if self.transport is not None:
-                self.transport.discard()  # engines may still hold views of what was sent
+            for transport in (self.transport, *self.holding.values()):
+                if transport is not None:
+                    transport.discard()  # engines may still hold views of what was sent
             self.reset_delta()  # the engines' weights are unknown now: the next sync is full
+            self._needs_connect = True
             raise
         if mode != "dense":
             self._delta_valid = True
             report.delta = mode
-            if self.delta_stats is not None:
-                report.changed_fraction = self.delta_stats.changed_fraction
-                report.full_bytes = self.delta_stats.full_bytes
-        report.num_buckets, report.num_bytes = counts["buckets"], counts["bytes"]
+            self.delta_stats = send.delta_stats
+            if send.delta_stats is not None:
+                report.changed_fraction = send.delta_stats.changed_fraction
+                report.full_bytes = send.delta_stats.full_bytes
+        report.num_buckets, report.num_bytes = send.num_buckets, send.num_bytes
         report.verified = verify is not None
         report.send_seconds = self._send_breakdown()
         return report
@@ -332,66 +389,6 @@ class WeightUpdater:
         if inside:
             seconds["transfer"] = max(0.0, inside - own)
         return seconds
-
-    def _send_stage(
-        self, sent: dict[str, dict[Served, str]], counts: dict[str, int], mode: str
-    ) -> None:
-        """This rank's part of its stage's send: gather (every rank of the stage), then on the
-        sender the buckets, `mode` "dense" (no delta), "full" (a full sync that the delta
-        encoder remembers) or "delta" (only what changed, then a commit)."""
-        assert self.plan is not None
-        gathered = self.plan.gather(
-            self.gather_groups, timeout=self._timeout, timer=self._send_timer
-        )
-        if not self.is_sender:
-            for _ in gathered:  # takes part in the stage's gathers; yields nothing here
-                pass
-            return
-        assert self.transport is not None
-        timer = self._send_timer
-        calls = [e.update_weights for e in self.engines]
-        if mode == "delta":
-            tensors = dict(gathered)
-            self._record(sent, tensors)
-            cap, alignment = self.config.update_weight_buffer_size, self.transport.alignment
-            with timer.phase("delta"):
-                buckets, entries, self.delta_stats = self.delta.buckets(tensors, cap, alignment)
-            with timer.phase("transport"):
-                self.transport.send_buckets(buckets, self._filler(entries, counts), calls)
-            return
-
-        def fill(bucket: Bucket, buffer: torch.Tensor) -> None:
-            tensors = dict(take_bucket_tensors(gathered, bucket))
-            self._record(sent, tensors)
-            if mode == "full":
-                for name, tensor in tensors.items():
-                    self.delta.remember(name, tensor)
-            self._filler(tensors, counts)(bucket, buffer)
-
-        buckets = self.buckets if mode == "dense" else [replace(b, mode=mode) for b in self.buckets]
-        with timer.phase("transport"):
-            self.transport.send_buckets(buckets, fill, calls)
-        leftover = [name for name, _ in gathered]
-        assert not leftover, f"gathered tensors missing from the bucket plan: {leftover}"
-
-    def _record(self, sent: dict[str, dict[Served, str]], tensors: dict[str, torch.Tensor]) -> None:
-        """With verify_checksums: each distinct (dtype, slice) some engine worker serves of each
-        tensor, digested once."""
-        if not self.config.verify_checksums:
-            return
-        with self._send_timer.phase("checksum"):
-            for name, tensor in tensors.items():
-                targets = {layout[name] for workers in self.engine_layouts for layout in workers}
-                sent[name] = {target: digest(tensor, *target) for target in targets}
-
-    def _filler(self, tensors: dict[str, torch.Tensor], counts: dict[str, int]):
-        def fill(bucket: Bucket, buffer: torch.Tensor) -> None:
-            with self._send_timer.phase("pack"):
-                pack(tensors, bucket, buffer)
-            counts["buckets"] += 1
-            counts["bytes"] += bucket.nbytes
-
-        return fill
 
     def _verify(self, sent: dict[str, dict[Served, str]], version: int) -> None:
         verify_engines(

@@ -4,17 +4,19 @@ Pass this module's class to the server and pick a backend:
 
     python -m vllm.entrypoints.openai.api_server --model DIR ... \\
         --worker-extension-cls vime.weight_sync.vllm_extension.VimeWorkerExtension \\
-        --weight-transfer-config '{"backend": "gloo"}'      # or "shm"
+        --weight-transfer-config '{"backend": "vime_broadcast"}'   # or "vime_colocated"
 
 vLLM workers import the extension class before `load_model`, which is when they create their
-weight-transfer engine, so importing this module is enough to register the backends:
+weight-transfer engine, so importing this module is enough to register the backends, one per sync
+shape, each taking its device plug-in from the trainer's init_info (`vime.weight_sync.devices`):
 
-- `gloo`: the worker joins torch.distributed gloo groups of its own (a TCPStore rendezvous with
-  the trainer, never vLLM's default process group) and receives one broadcast per bucket. It can
-  hold several groups at once, keyed by `group_name` (one per trainer pipeline stage, each with
-  that stage's sender as rank 0); each update names the group its buckets come from.
-- `shm`: the trainer writes each bucket into a POSIX shared-memory segment; the worker maps it
-  read-only, keeps the mapping for later syncs, and loads from it without copying it first.
+- `vime_broadcast` (transport kinds gloo and nccl): the worker joins broadcast groups of its own
+  (a TCPStore rendezvous with the trainer, never vLLM's default process group), one per trainer
+  pipeline stage, keyed by `group_name`, and receives one broadcast per bucket
+  (`engine.broadcast`).
+- `vime_colocated` (shm and ipc): the worker opens the buffer a trainer rank on its own device
+  filled (a shared-memory segment, a CUDA IPC handle), keeps it open for later syncs, and loads
+  from it without copying it first (`engine.colocated`).
 
 Both receive the bucket layout of `vime.weight_sync.buckets` and load through vLLM's layerwise
 reload (start/finish wrap `initialize_layerwise_reload` / `finalize_layerwise_reload`), like
@@ -24,7 +26,8 @@ vLLM's own NCCL and IPC engines. On CPU a bucket's load runs on every core the s
 `VimeWorkerExtension` adds methods callable through `POST /collective_rpc`:
 `vime_weight_metadata` (HF names, dtypes and whole shapes the engine expects, and the slice each
 worker holds, to check before sending), `vime_weight_checksums` (sha256 of each worker's part of
-every HF-named tensor, to check after), `vime_gpu_uuid` (where an IPC handle must be opened) and
+every HF-named tensor, to check after), `vime_device_id` (the device a
+colocated worker reads its buffers on) and
 `vime_weight_update_stats` (where the last update's time went on the worker) and
 `vime_end_open_update` (ends an update a trainer that died mid-sync left open), and
 `vime_seed_source` / `vime_seed_send` / `vime_seed_receive` (a live engine seeds a joining one,
@@ -39,10 +42,11 @@ from typing import Any
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from vime.weight_sync.buckets import dtype_name, tensor_digest
-from vime.weight_sync.engine.gloo import GlooWeightTransferEngine
+from vime.weight_sync.engine.broadcast import BroadcastWeightTransferEngine
+from vime.weight_sync.engine.colocated import ColocatedWeightTransferEngine
 from vime.weight_sync.engine.readback import served_shards
 from vime.weight_sync.engine.seed import receive_seed, seed_tensors, send_seed
-from vime.weight_sync.engine.shm import ShmWeightTransferEngine
+from vime.weight_sync.names import BROADCAST_BACKEND, COLOCATED_BACKEND
 
 
 class VimeWorkerExtension:
@@ -68,14 +72,14 @@ class VimeWorkerExtension:
             for served in served_shards(model, materialize=False)
         ]
 
-    def vime_gpu_uuid(self) -> str | None:
-        """This worker's GPU UUID (None on CPU): an IPC handle must be keyed by it."""
+    def vime_device_id(self) -> str:
+        """This worker's device id (`vime.weight_sync.devices.device_id`): "cuda:<GPU UUID>",
+        or on CPU "cpu" / "cpu:<n>" (from the server's VIME_DEVICE_IDS)."""
         import torch
 
-        device = torch.device(self.device)  # type: ignore[attr-defined]
-        if device.type != "cuda":
-            return None
-        return str(torch.cuda.get_device_properties(device).uuid)
+        from vime.weight_sync.devices import device_id
+
+        return device_id(torch.device(self.device), self.parallel_config.rank)  # type: ignore[attr-defined]
 
     def vime_weight_update_stats(self) -> dict[str, float]:
         """This worker's `stats` of its last weight update (empty before the first one)."""
@@ -114,7 +118,10 @@ class VimeWorkerExtension:
 
 def register_backends() -> None:
     """Register the vime backends with vLLM's factory (idempotent)."""
-    for name, engine_cls in (("gloo", GlooWeightTransferEngine), ("shm", ShmWeightTransferEngine)):
+    for name, engine_cls in (
+        (BROADCAST_BACKEND, BroadcastWeightTransferEngine),
+        (COLOCATED_BACKEND, ColocatedWeightTransferEngine),
+    ):
         if name not in WeightTransferEngineFactory._registry:
             WeightTransferEngineFactory.register_engine(name, engine_cls)
 

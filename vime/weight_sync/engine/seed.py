@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from vime.weight_sync.buckets import dtype_name, pack, unpack
 from vime.weight_sync.engine.base import BucketEngine, parse_buckets, worker_index
-from vime.weight_sync.engine.gloo import join_group
+from vime.weight_sync.engine.broadcast import join_group
 
 SEED_GROUP = "vime-seed"
 

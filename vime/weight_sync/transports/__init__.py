@@ -1,39 +1,43 @@
-"""Trainer-side transports, one per `weight_sync.transport.kind`, built by `make_transport`.
+"""Trainer-side transports, one per sync shape, built by `make_transport` for a transport config.
 
-The registry maps each kind (the same name as the engines' --weight-transfer-config backend) to
-a builder taking the transport's config section and what this sender knows of its place: its
-pipeline stage and a way to ask the engines for their worker counts. Transport modules are
-imported when their kind is built, so a CPU job never imports the GPU ones.
+`weight_sync.transport.kind` picks the shape and the device plug-in (`vime.weight_sync.devices`):
+
+| kind | shape (transport, engine backend)              | plug-in on GPU | with device: cpu |
+|------|------------------------------------------------|----------------|------------------|
+| gloo | `BroadcastTransport`, `vime_broadcast`         | (CPU only)     | gloo             |
+| nccl | `BroadcastTransport`, `vime_broadcast`         | nccl           | gloo             |
+| shm  | `ColocatedTransport`, `vime_colocated`         | (CPU only)     | shm              |
+| ipc  | `ColocatedTransport`, `vime_colocated`         | ipc            | shm              |
+
+The GPU plug-ins are imported only when built, so a CPU job never imports them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from vime.cluster.addresses import node_address
-from vime.config import (
-    TRANSPORT_KINDS,
-    BroadcastTransportConfig,
-    GlooTransportConfig,
-    IpcTransportConfig,
-    NcclTransportConfig,
-    ShmTransportConfig,
-    TransportConfig,
-)
+from vime.config import BroadcastTransportConfig, TransportConfig
 from vime.utils.net import free_port
+from vime.weight_sync.devices import handles_class
 from vime.weight_sync.transports.base import Transport
+from vime.weight_sync.transports.broadcast import BroadcastTransport
+from vime.weight_sync.transports.colocated import ColocatedTransport, Spread
 
 
 @dataclass(frozen=True)
 class SenderPlace:
-    """What a transport needs to know of the pp sender that builds it."""
+    """What a transport needs to know of the rank that builds it."""
 
     pp_rank: int
-    pp_size: int
     engine_world_sizes: Sequence[int]  # each engine's workers, in engine order
-    bucket_bytes: int
     timeout_s: float
+    device: torch.device  # where this rank's buffers live
+    device_id: str  # `devices.device_id` of `device` (colocated handles are keyed by it)
+    spread: Spread | None = None  # colocated, engine workers on several devices
 
 
 def stage_group_name(pp_rank: int) -> str:
@@ -48,65 +52,27 @@ def _rendezvous(config: BroadcastTransportConfig) -> tuple[str, int]:
     return address, free_port(address, port_range) if port_range else 0
 
 
-def _gloo(config: GlooTransportConfig, place: SenderPlace) -> Transport:
-    from vime.weight_sync.transports.gloo import GlooTransport
-
-    address, port = _rendezvous(config)
-    return GlooTransport(
-        engine_world_sizes=place.engine_world_sizes,
-        master_address=address,
-        master_port=port,
-        group_name=stage_group_name(place.pp_rank),
-        timeout_s=place.timeout_s,
-    )
-
-
-def _nccl(config: NcclTransportConfig, place: SenderPlace) -> Transport:
-    from vime.weight_sync.transports.nccl import NcclTransport
-
-    if place.pp_size > 1:
-        raise ValueError(
-            f"weight_sync.transport nccl with pipeline parallel size {place.pp_size}: vLLM's "
-            "NCCL backend holds one trainer group per engine, so only one stage can send. Use "
-            "transport gloo, or pp=1"
-        )
-    address, port = _rendezvous(config)
-    return NcclTransport(
-        engine_world_sizes=place.engine_world_sizes,
-        master_address=address,
-        master_port=port or free_port(address),
-        max_bucket_bytes=place.bucket_bytes,
-        timeout_s=place.timeout_s,
-    )
-
-
-def _shm(config: ShmTransportConfig, place: SenderPlace) -> Transport:
-    from vime.weight_sync.transports.shm import ShmTransport
-
-    return ShmTransport(prefix=f"vime-pp_{place.pp_rank}", timeout_s=place.timeout_s)
-
-
-def _ipc(config: IpcTransportConfig, place: SenderPlace) -> Transport:
-    from vime.weight_sync.transports.ipc import IpcTransport
-
-    return IpcTransport(timeout_s=place.timeout_s)
-
-
-TRANSPORTS: dict[str, Callable[..., Transport]] = {
-    "gloo": _gloo,
-    "nccl": _nccl,
-    "shm": _shm,
-    "ipc": _ipc,
-}
-assert set(TRANSPORTS) == set(TRANSPORT_KINDS), "every config transport kind needs a builder"
-
-
 def make_transport(config: TransportConfig, place: SenderPlace) -> Transport:
-    """The transport `config.kind` names, for the sender at `place` (not yet connected)."""
-    build = TRANSPORTS.get(config.kind)
-    if build is None:
-        raise ValueError(f"no transport registered for kind {config.kind!r}: {sorted(TRANSPORTS)}")
-    return build(config, place)
+    """The transport `config` names, for the rank at `place` (not yet connected)."""
+    if isinstance(config, BroadcastTransportConfig):
+        address, port = _rendezvous(config)
+        return BroadcastTransport(
+            engine_world_sizes=place.engine_world_sizes,
+            communicator=config.plugin,
+            device=place.device,
+            master_address=address,
+            master_port=port,
+            group_name=stage_group_name(place.pp_rank),
+            timeout_s=place.timeout_s,
+        )
+    handles = handles_class(config.plugin)(place.device, prefix=f"vime-pp_{place.pp_rank}")
+    return ColocatedTransport(
+        handles=handles,
+        device_id=place.device_id,
+        device=place.device,
+        spread=place.spread,
+        timeout_s=place.timeout_s,
+    )
 
 
-__all__ = ["TRANSPORTS", "SenderPlace", "Transport", "make_transport", "stage_group_name"]
+__all__ = ["SenderPlace", "Spread", "Transport", "make_transport", "stage_group_name"]

@@ -1,0 +1,140 @@
+"""One sync's sending on one trainer rank: what it does in each pipeline stage's turn.
+
+In its own stage's turn a rank takes part in the stage's gather; the stage's sender then hands
+the buckets to its transport, in one of three modes: "dense" (no delta), "full" (a full sync the
+delta encoder remembers) or "delta" (only what changed, then a commit). A holder rank of a
+colocated transport receives the stage's buckets for its device after its own gathers. With
+verification the sender digests each distinct slice an engine worker serves of what it sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from vime.megatron.gather import GatherGroups, GatherPlan
+from vime.utils.timing import PhaseTimer
+from vime.weight_sync.buckets import Bucket, pack, take_bucket_tensors
+from vime.weight_sync.checks import Served, digest
+from vime.weight_sync.delta import DeltaEncoder, DeltaStats
+from vime.weight_sync.shards import WorkerLayout
+from vime.weight_sync.transports import Transport
+from vime.weight_sync.transports.colocated import ColocatedTransport
+
+
+class StageSend:
+    """This rank's sending in one sync; `part(stage)` is its step in stage `stage`'s turn."""
+
+    def __init__(
+        self,
+        *,
+        mode: str,
+        plan: GatherPlan | None,
+        gather_groups: GatherGroups,
+        pp_rank: int,
+        transport: Transport | None,
+        holding: dict[int, ColocatedTransport],
+        buckets: Sequence[Bucket],
+        engines: Sequence[Any],
+        engine_layouts: list[list[WorkerLayout]] | None,
+        delta: DeltaEncoder,
+        bucket_bytes: int,
+        timeout: timedelta,
+        timer: PhaseTimer,
+    ):
+        """`transport`: this rank's, if it sends its stage (None otherwise). `engine_layouts`:
+        each engine worker's served dtypes and slices, to digest what is sent (None: no
+        verification)."""
+        self.mode = mode
+        self.plan = plan
+        self.gather_groups = gather_groups
+        self.pp_rank = pp_rank
+        self.transport = transport
+        self.holding = holding
+        self.buckets = buckets
+        self.engines = engines
+        self.engine_layouts = engine_layouts
+        self.delta = delta
+        self.bucket_bytes = bucket_bytes
+        self.timeout = timeout
+        self.timer = timer
+        self.sent: dict[str, dict[Served, str]] = {}  # name -> {(served dtype, slice): digest}
+        self.num_buckets = 0
+        self.num_bytes = 0
+        self.delta_stats: DeltaStats | None = None
+
+    def part(self, stage: int) -> Callable[[], None] | None:
+        """What this rank does in pipeline stage `stage`'s turn: its own stage's gather and send,
+        then, if it holds that stage's buckets for its device, the holding (None: nothing)."""
+        parts: list[Callable[[], None]] = []
+        if stage == self.pp_rank:
+            parts.append(self.send_own_stage)
+        if stage in self.holding:
+            parts.append(self.holding[stage].hold)
+        if not parts:
+            return None
+
+        def run() -> None:
+            for part in parts:  # a holder of its own stage gathers first (the sender waits)
+                part()
+
+        return run
+
+    def send_own_stage(self) -> None:
+        """Gather (every rank of the stage), then on the sender the buckets in `mode`."""
+        assert self.plan is not None
+        gathered = self.plan.gather(self.gather_groups, timeout=self.timeout, timer=self.timer)
+        if self.transport is None:
+            for _ in gathered:  # takes part in the stage's gathers; yields nothing here
+                pass
+            return
+        calls = [e.update_weights for e in self.engines]
+        if self.mode == "delta":
+            tensors = dict(gathered)
+            self._record(tensors)
+            with self.timer.phase("delta"):
+                buckets, entries, self.delta_stats = self.delta.buckets(
+                    tensors, self.bucket_bytes, self.transport.alignment
+                )
+            with self.timer.phase("transport"):
+                self.transport.send_buckets(buckets, self._filler(entries), calls)
+            return
+
+        def fill(bucket: Bucket, buffer: torch.Tensor) -> None:
+            tensors = dict(take_bucket_tensors(gathered, bucket))
+            self._record(tensors)
+            if self.mode == "full":
+                for name, tensor in tensors.items():
+                    self.delta.remember(name, tensor)
+            self._filler(tensors)(bucket, buffer)
+
+        buckets = list(self.buckets)
+        if self.mode != "dense":
+            buckets = [replace(b, mode=self.mode) for b in buckets]
+        with self.timer.phase("transport"):
+            self.transport.send_buckets(buckets, fill, calls)
+        leftover = [name for name, _ in gathered]
+        assert not leftover, f"gathered tensors missing from the bucket plan: {leftover}"
+
+    def _record(self, tensors: dict[str, torch.Tensor]) -> None:
+        """With verification: each distinct (dtype, slice) some engine worker serves of each
+        tensor, digested once."""
+        if self.engine_layouts is None:
+            return
+        with self.timer.phase("checksum"):
+            for name, tensor in tensors.items():
+                targets = {layout[name] for workers in self.engine_layouts for layout in workers}
+                self.sent[name] = {target: digest(tensor, *target) for target in targets}
+
+    def _filler(self, tensors: dict[str, torch.Tensor]) -> Callable[[Bucket, torch.Tensor], None]:
+        def fill(bucket: Bucket, buffer: torch.Tensor) -> None:
+            with self.timer.phase("pack"):
+                pack(tensors, bucket, buffer)
+            self.num_buckets += 1
+            self.num_bytes += bucket.nbytes
+
+        return fill
