@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # For a lent single GPU (no vLLM there), in about 5 minutes:
-#  1. the shipped IpcTransport into a receiving process that opens each handle as vLLM 0.32's
-#     packed IPC consumer does (bit-exact, timed), at two bucket sizes and for a whole
-#     Qwen2.5-7B-shaped model (15.2 GB bf16, 512 MiB buckets);
+#  1. the colocated transport with its CUDA IPC plug-in (vime.weight_sync.devices.cuda) into a
+#     receiving process that opens each handle with the engine receiver's own plug-in code
+#     (bit-exact, timed), at two bucket sizes and for a whole Qwen2.5-7B-shaped model (15.2 GB
+#     bf16, 512 MiB buckets);
 #  2. the gpu test tier: the trainer on the GPU (vime's init_process_group: NCCL, the device of
 #     LOCAL_RANK; batches moved to the model's device) trains like the CPU, and the weights it
-#     gathers go through IpcTransport bit for bit.
-# NcclTransport wraps vLLM's NCCL trainer engine (pynccl), which cannot be installed there, and
-# NCCL refuses two ranks on one GPU: it stays unchecked until a machine with 2 GPUs and vLLM runs
-# it. Needs torch with CUDA, megatron-core, pydantic, pyyaml, safetensors, transformers, pytest.
+#     gathers go through the same colocated transport bit for bit.
+# Not here, and never run anywhere: the NCCL plug-in (NCCL refuses two ranks of one group on one
+# GPU, and it builds on vLLM's pynccl, which cannot be installed there), and the weight-sync
+# matrix into real vLLM CUDA engines (ipc on 1 GPU, nccl with PP=2 on 3 GPUs): that needs a
+# machine with vLLM's CUDA build, and a harness that starts GPU engines (not written). The CPU
+# suite runs the same transports and receivers with the CPU plug-ins (weight_sync.transport
+# device: cpu).
+# Needs torch with CUDA, megatron-core, pydantic, pyyaml, safetensors, transformers, pytest.
 # PYTHON picks the interpreter (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -16,12 +16,13 @@ import pytest
 import requests
 import torch
 from engine_token import HEADERS, TOKEN
-from vime.weight_sync.transports.gloo import GlooTransport
-from vime.weight_sync.transports.shm import ShmTransport
 
 from vime.testing.hf import hf_greedy
 from vime.testing.tiny_model import build_tiny_model
 from vime.weight_sync.buckets import check_against_engine, pack, plan_buckets, tensor_digest
+from vime.weight_sync.devices.cpu import ShmHandles
+from vime.weight_sync.transports.broadcast import BroadcastTransport
+from vime.weight_sync.transports.colocated import ColocatedTransport
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -165,6 +166,10 @@ def _check_served(server: Server, reference, key: str, version: str) -> None:
     assert server.get("/weight_info") == {"weight_version": version}
 
 
+def _segment_names(infos: list[dict]) -> list[str]:
+    return [b["handles"]["cpu"]["shm_name"] for info in infos for b in info["buckets"]]
+
+
 def test_gloo_backend_syncs_exact_weights(servers, reference):
     server = servers["gloo"]
     prompt_ids = reference["prompt_ids"]
@@ -176,13 +181,13 @@ def test_gloo_backend_syncs_exact_weights(servers, reference):
 
     new = reference["new"]["weights"]
     check_against_engine(_specs(new), server.rpc("vime_weight_metadata"))
-    assert server.rpc("vime_gpu_uuid") is None  # a CPU worker: the ipc placement check refuses it
-    buckets = plan_buckets(_specs(new), MAX_BUCKET_BYTES, alignment=GlooTransport.alignment)
+    assert server.rpc("vime_device_id") == "cpu"  # the host: no GPU, no stand-in number
+    buckets = plan_buckets(_specs(new), MAX_BUCKET_BYTES, alignment=BroadcastTransport.alignment)
     assert len(buckets) >= 4
     assert any(b.nbytes > MAX_BUCKET_BYTES for b in buckets)  # an oversize tensor alone
 
     (world_size,) = server.get("/get_world_size").values()
-    transport = GlooTransport(engine_world_sizes=[world_size], timeout_s=60)
+    transport = BroadcastTransport(engine_world_sizes=[world_size], timeout_s=60)
     (init,) = transport.connect([_init_call(server)])
     assert init["world_size"] == 1 + world_size and init["rank_offset"] == 1
     try:
@@ -235,10 +240,11 @@ def test_shm_backend_syncs_exact_weights_and_cleans_up(servers, reference):
     server = servers["shm"]
     new = reference["new"]["weights"]
     check_against_engine(_specs(new), server.rpc("vime_weight_metadata"))
-    buckets = plan_buckets(_specs(new), MAX_BUCKET_BYTES, alignment=ShmTransport.alignment)
+    buckets = plan_buckets(_specs(new), MAX_BUCKET_BYTES, alignment=ColocatedTransport.alignment)
 
-    transport = ShmTransport(timeout_s=60)
-    shm_dir = Path(transport.shm_dir)
+    handles = ShmHandles()
+    transport = ColocatedTransport(handles=handles, device_id="cpu", timeout_s=60)
+    shm_dir = Path(handles.shm_dir)
     transport.connect([_init_call(server)])
     modes = []
     update = _update_call(server)
@@ -246,7 +252,8 @@ def test_shm_backend_syncs_exact_weights_and_cleans_up(servers, reference):
     def update_and_inspect(info: dict) -> None:
         # While the engine reads, the segment exists, private to this user.
         for described in info["buckets"]:
-            modes.append(stat.S_IMODE((shm_dir / described["shm_name"]).stat().st_mode))
+            name = described["handles"]["cpu"]["shm_name"]
+            modes.append(stat.S_IMODE((shm_dir / name).stat().st_mode))
         update(info)
 
     try:
@@ -258,9 +265,9 @@ def test_shm_backend_syncs_exact_weights_and_cleans_up(servers, reference):
         _sync(server, send_all, version="1")
         assert len(infos) == len(buckets) >= 4
         assert modes == [0o600] * len(buckets)
-        assert not list(shm_dir.glob(f"{transport.prefix}*")), "segments left behind"
+        assert not list(shm_dir.glob(f"{handles.prefix}*")), "segments left behind"
         _check_served(server, reference, "new", "1")
-        first_names = [b["shm_name"] for info in infos for b in info["buckets"]]
+        first_names = _segment_names(infos)
 
         # The next sync refills the same (now unlinked) segments, which the engine still maps.
         old = reference["old"]["weights"]
@@ -270,7 +277,7 @@ def test_shm_backend_syncs_exact_weights_and_cleans_up(servers, reference):
             infos.extend(transport.send_buckets(buckets, _filler(old), [update]))
 
         _sync(server, send_old, version="2")
-        assert [b["shm_name"] for info in infos for b in info["buckets"]] == first_names
+        assert _segment_names(infos) == first_names
         assert transport.num_bytes_held >= sum(b.nbytes for b in buckets)
         _check_served(server, reference, "old", "2")
 
@@ -281,15 +288,15 @@ def test_shm_backend_syncs_exact_weights_and_cleans_up(servers, reference):
         assert transport.num_bytes_held == 0
         infos.clear()
         _sync(server, send_all, version="3")
-        assert not set(b["shm_name"] for info in infos for b in info["buckets"]) & set(first_names)
+        assert not set(_segment_names(infos)) & set(first_names)
         _check_served(server, reference, "new", "3")
         # A new segment handed out but never sent is unlinked by close().
         transport.discard()
         transport.buffer_for(buckets[0])
-        assert len(list(shm_dir.glob(f"{transport.prefix}*"))) == 1
+        assert len(list(shm_dir.glob(f"{handles.prefix}*"))) == 1
     finally:
         transport.close()
-    assert not list(shm_dir.glob(f"{transport.prefix}*")), "segments left behind"
+    assert not list(shm_dir.glob(f"{handles.prefix}*")), "segments left behind"
 
 
 @pytest.mark.parametrize("backend", ["gloo", "shm"])
@@ -300,15 +307,15 @@ def test_vllm_trainer_factory_drives_vime_backends(servers, reference, backend):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from vime.rollout.vllm_engine import VLLMEngine
-    from vime.weight_sync.trainer_engines import GlooTrainerInitInfo, ShmTrainerInitInfo
+    from vime.weight_sync.trainer_engines import BroadcastTrainerInitInfo, ColocatedTrainerInitInfo
 
     server = servers[backend]
     client = VLLMEngine(server.config, url=server.url)
     client.init()
     init_info = (
-        GlooTrainerInitInfo(rank=0, engine_world_size=1, bucket_bytes=MAX_BUCKET_BYTES)
+        BroadcastTrainerInitInfo(rank=0, engine_world_size=1, bucket_bytes=MAX_BUCKET_BYTES)
         if backend == "gloo"
-        else ShmTrainerInitInfo(rank=0, bucket_bytes=MAX_BUCKET_BYTES)
+        else ColocatedTrainerInitInfo(rank=0, bucket_bytes=MAX_BUCKET_BYTES)
     )
     for key in ("new", "old"):
         sender = WeightTransferTrainerFactory.trainer_init(

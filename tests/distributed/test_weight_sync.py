@@ -92,6 +92,12 @@ def tp1_run(servers, model_dir, model_builder, tmp_path_factory):
         SyncStep("shm", b, version=3),  # the same updater again, after the failure
         SyncStep("gloo", a, version=2, inflight=True, clear_cache=True),
         SyncStep("gloo", b, version=98, expect_error=True),  # B runs the shm backend
+        # The GPU kinds' code paths (device: cpu): the same failure, then the same updater.
+        SyncStep("nccl", a, version=3, inflight=True),
+        SyncStep("nccl", a, version=4, fail_in_send=True),
+        SyncStep("nccl", a, version=5),  # after a reconnect of every rank (the group aborted)
+        SyncStep("ipc", b, version=4, fail_in_send=True),
+        SyncStep("ipc", b, version=5),
     )
     job = SyncJob(model_dir=model_dir, steps=steps)
     return run_sync_job(job, 1, tmp_path_factory.mktemp("tp1"))
@@ -109,6 +115,10 @@ def tp2_run(servers, model_dir, tmp_path_factory):
         SyncStep("gloo", a, version=13, delta=True, changed_fraction=0.01),
         SyncStep("shm", b, version=12, delta=True),
         SyncStep("shm", b, version=13, delta=True, changed_fraction=0.01),
+        SyncStep("nccl", a, version=14, delta=True),
+        SyncStep("nccl", a, version=15, delta=True, changed_fraction=0.01),
+        SyncStep("ipc", b, version=14, delta=True),
+        SyncStep("ipc", b, version=15, delta=True, changed_fraction=0.01),
     )
     job = SyncJob(model_dir=model_dir, tp=2, steps=steps)
     return run_sync_job(job, 2, tmp_path_factory.mktemp("tp2"))
@@ -129,6 +139,13 @@ def pp2_run(servers, model_dir, model_builder, tmp_path_factory):
         ),
         # The last stage holds a parameter no converter maps: both ranks refuse, nothing moves.
         SyncStep("gloo", (servers["A"],), version=97, expect_error=True, extra_param=True),
+        # One NCCL group per stage (world 1 + 2 engines' workers each), and ipc: both stages.
+        SyncStep("nccl", (servers["A"], servers["C"]), version=21),
+        SyncStep("ipc", (servers["B"],), version=21),
+        SyncStep("nccl", (servers["A"], servers["C"]), version=22, delta=True),
+        SyncStep(
+            "nccl", (servers["A"], servers["C"]), version=23, delta=True, changed_fraction=0.01
+        ),
     )
     job = SyncJob(model_dir=model_dir, pp=2, steps=steps)
     return run_sync_job(job, 2, tmp_path_factory.mktemp("pp2"))
@@ -273,7 +290,11 @@ def test_a_live_engine_seeds_a_joiner_exactly(servers, model_dir, tmp_path_facto
 
 @pytest.mark.parametrize(
     ("run", "step_indices"),
-    [("tp1_run", (0, 1, 4, 5)), ("tp2_run", tuple(range(7))), ("pp2_run", (0, 1, 2))],
+    [
+        ("tp1_run", (0, 1, 4, 5, 7, 9, 11)),
+        ("tp2_run", tuple(range(11))),
+        ("pp2_run", (0, 1, 2, 4, 5, 6, 7)),
+    ],
     ids=["tp1pp1", "tp2pp1", "tp1pp2"],
 )
 def test_sync_serves_exact_trainer_weights(
@@ -289,16 +310,20 @@ def test_sync_serves_exact_trainer_weights(
         assert len(records[0]["engines"]) == 2
         assert next(iter(exported[2].values())).dtype == torch.bfloat16
     transports = {records[i]["step"].transport for i in step_indices}
-    assert transports == {"gloo", "shm"}
+    assert transports == {"gloo", "shm", "nccl", "ipc"}
     if run == "tp2_run":  # checked above: the deltas are exact, like the full syncs
-        assert [records[i]["report"].delta for i in range(3, 7)] == ["full", "delta"] * 2
+        assert [records[i]["report"].delta for i in range(3, 11)] == ["full", "delta"] * 4
         assert all(records[i]["report"].num_bytes < 0.1 * records[3]["report"].num_bytes
-                   for i in (4, 6))  # fmt: skip
+                   for i in (4, 6, 8, 10))  # fmt: skip
+    if run == "pp2_run":  # a delta over per-stage NCCL groups: both stages send only changes
+        assert [records[i]["report"].delta for i in (6, 7)] == ["full", "delta"]
+        assert records[7]["report"].num_bytes < 0.1 * records[6]["report"].num_bytes
 
 
-def test_request_in_flight_continues_on_new_weights(tp1_run):
+@pytest.mark.parametrize("index", [0, 7], ids=["gloo", "nccl"])
+def test_request_in_flight_continues_on_new_weights(tp1_run, index):
     records, _ = tp1_run
-    record = records[0]
+    record = records[index]
     inflight = record["inflight"]
     assert inflight["finish_reason"] == "length"
     versions = inflight["weight_versions"]
@@ -309,7 +334,7 @@ def test_request_in_flight_continues_on_new_weights(tp1_run):
         else:
             runs.append([version, 1])
     # Tokens before the pause carry the old version, every token after it the new one.
-    assert len(runs) == 2 and runs[1][0] == "1", runs
+    assert len(runs) == 2 and runs[1][0] == str(record["step"].version), runs
     assert runs[0][1] > 0 and runs[1][1] > 0
     # keep + clear_cache=False: the frozen request held KV blocks, the flush could not happen.
     assert record["report"].prefix_cache_flushed is False
@@ -354,7 +379,10 @@ def test_engine_with_another_backend_rejected_before_any_group(tp1_run):
     records, _ = tp1_run
     record = records[6]
     message = record["error"]  # a gloo trainer against the shm engine B, read from /server_info
-    assert "weight-transfer backend 'shm'" in message and "transport is 'gloo'" in message
+    assert "weight-transfer backend 'vime_colocated'" in message
+    assert (
+        "does not receive weight_sync.transport 'gloo'" in message and "vime_broadcast" in message
+    )
     assert "nothing was sent" in message and record["error_s"] < 10
     (engine,) = record["engines"]
     assert engine["is_paused"] is False and engine["weight_version"] == "3"
@@ -371,6 +399,23 @@ def test_failed_send_leaves_engines_serving(tp1_run, hf, checkpoint):
     assert len(engine["greedy"]) == GREEDY_TOKENS
     # The next sync with the same updater repairs the engine.
     assert_synced(records[4], exported[4], hf, checkpoint)
+
+
+@pytest.mark.parametrize(("failed", "after"), [(8, 9), (10, 11)], ids=["nccl", "ipc"])
+def test_gpu_kinds_fail_like_the_cpu_ones_and_the_next_sync_repairs(
+    tp1_run, hf, checkpoint, failed, after
+):
+    """nccl and ipc (their CPU plug-ins): a send that fails after its first bucket fails the
+    sync on every rank, leaves the engine serving (a "-failed" label, never meta tensors: it
+    answers greedy requests), and the same updater's next sync (broadcast: after every rank
+    rebuilt its group) serves the trainer's weights exactly."""
+    records, exported = tp1_run
+    record = records[failed]
+    assert record["error_phase"] == "send" and "injected failure" in record["error"]
+    (engine,) = record["engines"]
+    assert engine["is_paused"] is False and engine["weight_version"].endswith("-failed")
+    assert len(engine["greedy"]) == GREEDY_TOKENS
+    assert_synced(records[after], exported[after], hf, checkpoint)
 
 
 def test_ray_engine_wraps_an_actor_with_timeouts(servers, model_dir):

@@ -29,6 +29,7 @@ from engine_token import HEADERS, TOKEN
 from megatron_harness import init_gloo_rank, spawn_ranks
 
 from vime.testing.hf import hf_greedy
+from vime.weight_sync.devices.base import TRAINER_DEVICE_ENV
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=90)
 SEED_CHECK_TOKENS = 48  # continuation tokens compared with HF after a clear_cache switch
@@ -41,7 +42,9 @@ REPEAT_VERSION = 1000  # versions 1002, 1003 mark the engines between repeated i
 
 @dataclass(frozen=True)
 class SyncStep:
-    transport: str  # gloo (UpdateWeightFromDistributed) | shm (UpdateWeightFromTensor)
+    # gloo | nccl (broadcast) | shm | ipc (colocated); nccl and ipc run with device: cpu, their
+    # CPU plug-ins: the same transport and receiver code as on a GPU.
+    transport: str
     engine_urls: tuple[str, ...]
     version: int  # the engines serve str(version) after the step
     clear_cache: bool = False
@@ -66,6 +69,9 @@ class SyncJob:
     dtype: str = "float32"
     tp: int = 1
     pp: int = 1
+    # Each rank stands on its own CPU stand-in device "cpu:<rank>" (VIME_DEVICE_ID), as trainer
+    # ranks on GPUs would; unset: every rank on the shared host ("cpu").
+    device_ids: bool = False
     steps: tuple[SyncStep, ...] = field(default=())
 
 
@@ -177,6 +183,8 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
     from vime.weight_sync.updater import WeightUpdater
 
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(name)s: %(message)s")
+    if job.device_ids:
+        os.environ[TRAINER_DEVICE_ENV] = str(rank)
     init_gloo_rank(rank, world_size, port)
     topology = initialize_model_parallel(tp=job.tp, pp=job.pp, timeout=COLLECTIVE_TIMEOUT)
     groups = GatherGroups.from_parallel_state()
@@ -215,7 +223,11 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
                 engine.init()
                 engines.append(engine)
             config = WeightSyncConfig(
-                transport={"kind": step.transport, "delta": step.delta},
+                transport={
+                    "kind": step.transport,
+                    "delta": step.delta,
+                    **({"device": "cpu"} if step.transport in ("nccl", "ipc") else {}),
+                },
                 update_weight_buffer_size=step.bucket_bytes,
                 clear_cache_on_pause=step.clear_cache,
                 verify_checksums=True,

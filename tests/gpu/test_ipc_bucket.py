@@ -1,5 +1,5 @@
-"""The shipped IpcTransport into a second process that opens its handles as vLLM's IPC engine
-does: every tensor read back bit for bit."""
+"""The shipped colocated transport (CUDA IPC plug-in) into a second process that opens its
+handles with the engine receiver's plug-in code: every tensor read back bit for bit."""
 
 from __future__ import annotations
 

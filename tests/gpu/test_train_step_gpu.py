@@ -2,8 +2,8 @@
 `init_process_group` (NCCL, the device of LOCAL_RANK), `MegatronTrainer` moves the model there and
 feeds it the packed batch's CPU tensors; an SFT step then two GRPO steps (KL penalty to the SFT
 reference) must give what the same steps give on the CPU (gloo, CUDA hidden), and the weights the
-GPU trainer gathers for a sync go through the shipped `IpcTransport` into a second process that
-opens them as vLLM 0.32's packed IPC consumer does, bit for bit.
+GPU trainer gathers for a sync go through the shipped colocated transport (CUDA IPC) into a
+second process that opens them with the engine receiver's plug-in code, bit for bit.
 """
 
 from __future__ import annotations

@@ -3,11 +3,9 @@ worker's baseline, through real buckets (plan, pack, unpack), bit for bit."""
 
 from __future__ import annotations
 
-import pydantic
 import pytest
 import torch
 
-from vime.config import WeightSyncConfig
 from vime.weight_sync.buckets import pack, unpack
 from vime.weight_sync.delta import Baseline, DeltaEncoder, DeltaStats, bits
 
@@ -36,7 +34,7 @@ def _through_buckets(encoder, engine, tensors, cap=512):
             engine.patch(received)
         else:
             assert bucket.mode == "commit" and bucket is buckets[-1]
-            loaded = dict(engine.commit())
+            loaded = dict(engine.commit(bucket.commit_names))
     return loaded, stats, buckets
 
 
@@ -96,7 +94,7 @@ def test_a_delta_needs_a_full_sync_first_and_a_broken_one_invalidates_the_baseli
     engine.start()
     engine.patch([("w::indices", torch.tensor([1], dtype=torch.int32))])
     with pytest.raises(ValueError, match="missing values"):
-        engine.commit()
+        engine.commit(("w",))
     engine.start()
     with pytest.raises(ValueError, match="without a valid baseline"):
         engine.patch([("w", torch.ones(8))])
@@ -106,3 +104,23 @@ def test_a_delta_needs_a_full_sync_first_and_a_broken_one_invalidates_the_baseli
     engine.patch([("w", torch.ones(8))])
     engine.start()  # the next update begins: the open delta made the baseline unknown
     assert not engine.valid
+
+
+def test_each_stage_commits_its_own_tensors_only():
+    """Two pipeline stages, each a delta then its commit: a commit loads its stage's tensors (a
+    second load of the other stage's would reach layers the update already finished)."""
+    stages = [{"layers.0.w": torch.zeros(8)}, {"layers.1.w": torch.ones(8)}]
+    encoders, engine = [DeltaEncoder(), DeltaEncoder()], Baseline()
+    engine.start()
+    for encoder, tensors in zip(encoders, stages, strict=True):
+        _full(encoder, engine, tensors)
+    engine.start()
+    for encoder, tensors in zip(encoders, stages, strict=True):
+        changed = {name: t + 1 for name, t in tensors.items()}
+        loaded, _, buckets = _through_buckets(encoder, engine, changed)
+        assert buckets[-1].commit_names == tuple(tensors)
+        assert set(loaded) == set(tensors)
+        for name, tensor in changed.items():
+            assert torch.equal(loaded[name], tensor)
+    with pytest.raises(ValueError, match="lacks"):
+        engine.commit(("layers.2.w",))

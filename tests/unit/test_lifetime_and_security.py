@@ -16,13 +16,13 @@ import threading
 import time
 
 import pytest
-from vime.weight_sync.devices.cpu import ShmHandles, sweep_stale_segments
 
 from vime.config import EngineConfig
 from vime.rollout import auth
 from vime.rollout.server import EngineStartError, build_server_command, check_vllm_server
 from vime.rollout.watchdog import EngineFailedError, EngineWatchdog, probe
 from vime.utils.http import EngineHTTPError
+from vime.weight_sync.devices.cpu import ShmHandles, sweep_stale_segments
 from vime.weight_sync.names import SEGMENT_NAME, check_segment_name
 
 pytestmark = pytest.mark.unit
@@ -76,7 +76,8 @@ def test_server_command_installs_the_token_check():
 @pytest.mark.parametrize("kind", ["gloo", "nccl", "shm", "ipc"])
 def test_no_engine_backend_needs_insecure_serialization(kind):
     """vime's receivers take CUDA IPC handles as JSON fields: nothing arriving over HTTP is
-    unpickled, whatever the transport (vLLM's own ipc engine needs pickles; vime never starts it)."""
+    unpickled, whatever the transport (vLLM's own ipc engine needs pickles; vime never runs
+    it)."""
     config = EngineConfig(model_path="/m", weight_transfer_backend=kind)
     cmd, env = build_server_command(config, 8000, host="10.0.0.5", token="t0k")
     assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in env

@@ -69,6 +69,9 @@ class Bucket:
     tensors: tuple[TensorMeta, ...]
     nbytes: int
     mode: str = "dense"
+    # A commit's tensors: those of the sender's pipeline stage, which the engine loads from its
+    # patched baseline (another stage's tensors are its own commit's).
+    commit_names: tuple[str, ...] = ()
 
     @property
     def names(self) -> list[str]:
@@ -93,6 +96,7 @@ class Bucket:
             "offsets": [t.offset for t in self.tensors],
             "nbytes": self.nbytes,
             "mode": self.mode,
+            **({"commit_names": list(self.commit_names)} if self.mode == "commit" else {}),
         }
 
     @classmethod
@@ -134,7 +138,16 @@ class Bucket:
         mode = data.get("mode", "dense")
         if mode not in BUCKET_MODES:
             raise ValueError(f"bucket {data['index']}: mode {mode!r} is not one of {BUCKET_MODES}")
-        return cls(index=int(data["index"]), tensors=tuple(metas), nbytes=bucket_nbytes, mode=mode)
+        commit_names = data.get("commit_names", [])
+        if not isinstance(commit_names, list) or not all(isinstance(n, str) for n in commit_names):
+            raise ValueError(f"bucket {data['index']}: commit_names must be a list of names")
+        return cls(
+            index=int(data["index"]),
+            tensors=tuple(metas),
+            nbytes=bucket_nbytes,
+            mode=mode,
+            commit_names=tuple(commit_names),
+        )
 
 
 def _nbytes(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> int:

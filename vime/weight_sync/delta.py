@@ -162,7 +162,10 @@ class DeltaEncoder:
             entries.update(self.encode(name, tensor, stats))
         specs = [(name, t.dtype, tuple(t.shape)) for name, t in entries.items()]
         buckets = [replace(b, mode="delta") for b in plan_buckets(specs, cap, alignment)]
-        buckets.append(Bucket(index=len(buckets), tensors=(), nbytes=0, mode="commit"))
+        commit = Bucket(
+            index=len(buckets), tensors=(), nbytes=0, mode="commit", commit_names=tuple(tensors)
+        )
+        buckets.append(commit)
         return buckets, entries, stats
 
 
@@ -240,12 +243,17 @@ class Baseline:
         """The tensors as they stand (read-only use: a seed sends them to a joining engine)."""
         return dict(self._tensors)
 
-    def commit(self) -> list[tuple[str, torch.Tensor]]:
-        """The whole patched baseline, to load; the update's delta is complete."""
-        if self._indices or not self.valid:
+    def commit(self, names: tuple[str, ...]) -> list[tuple[str, torch.Tensor]]:
+        """The patched baseline's tensors `names` (one sender's pipeline stage), to load; that
+        stage's delta is complete. With several stages each commits its own tensors: loading
+        another stage's again would reach layers the update already finished."""
+        missing = sorted(set(names) - set(self._tensors))
+        if self._indices or not self.valid or missing:
             self.valid = False
             raise ValueError(
                 f"delta commit with sparse entries missing values: {sorted(self._indices)}"
+                if not missing
+                else f"delta commit of tensors the baseline lacks: {missing[:10]}"
             )
         self.open_delta = False
-        return list(self._tensors.items())
+        return [(name, self._tensors[name]) for name in names]

@@ -3,8 +3,8 @@
 Every trainer rank and every engine worker has a device id (`vime.weight_sync.devices`): a GPU's
 UUID, a CPU stand-in ("cpu:<n>"), or the shared host ("cpu"). Pure functions over those:
 
-- `check_broadcast_placement`: a broadcast group (a stage's sender + every engine worker) has at
-  most one member per distinct device: NCCL cannot run two ranks of one group on one GPU.
+- `check_broadcast_placement`: an NCCL broadcast group (a stage's sender + every engine worker)
+  has at most one member per distinct device: NCCL cannot run two ranks of one group on one GPU.
 - `plan_spreads` (collective): both checks over every trainer rank, and for a colocated transport
   whose engine workers sit on other devices than a stage's sender, the stage's `Spread` groups.
 - `plan_holders`: the colocated shape, one *holder* rank per engine device, the rank whose
@@ -101,6 +101,7 @@ def plan_spreads(
     mine: RankPlace,
     worker_devices: Sequence[Sequence[str]],
     *,
+    kind: str,
     sync_shape: str,
     device: torch.device,
     group: Any,
@@ -115,7 +116,8 @@ def plan_spreads(
     dist.all_gather_object(everyone, mine, group=group)
     senders = sorted((p for p in everyone if p.is_sender), key=lambda p: p.pp_rank)
     if sync_shape == "broadcast":
-        check_broadcast_placement(senders, worker_devices)
+        if kind == "nccl":  # gloo's pairs are TCP sockets: any number per device
+            check_broadcast_placement(senders, worker_devices)
         return {}
     holders = plan_holders(everyone, worker_devices)
     spreads = {}

@@ -207,6 +207,7 @@ class WeightUpdater:
         spreads = plan_spreads(  # where the bytes may go; colocated: the holders' groups
             here,
             self.engine_devices,
+            kind=self.config.transport.kind,
             sync_shape=self.sync_shape,
             device=self.device,
             group=self.sync_group,

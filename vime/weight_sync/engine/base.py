@@ -132,8 +132,8 @@ class BucketEngine(WeightTransferEngine):
             self._baseline.patch(entries)
             self._count("patch", began)
             self.stats["delta_buckets"] += 1
-        else:  # commit: load the whole patched baseline, as a full sync of it would
-            self._load(self._baseline.commit())
+        else:  # commit: load the stage's patched tensors whole, as a full sync of them would
+            self._load(self._baseline.commit(bucket.commit_names))
 
     def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         from vllm.model_executor.model_loader.mtp_validation import (
