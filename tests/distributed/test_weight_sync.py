@@ -401,9 +401,11 @@ def test_failed_send_leaves_engines_serving(tp1_run, hf, checkpoint):
     assert_synced(records[4], exported[4], hf, checkpoint)
 
 
-@pytest.mark.parametrize(("failed", "after"), [(8, 9), (10, 11)], ids=["nccl", "ipc"])
+@pytest.mark.parametrize(
+    ("failed", "after", "previous"), [(8, 9, "3"), (10, 11, "3")], ids=["nccl", "ipc"]
+)
 def test_gpu_kinds_fail_like_the_cpu_ones_and_the_next_sync_repairs(
-    tp1_run, hf, checkpoint, failed, after
+    tp1_run, hf, checkpoint, failed, after, previous
 ):
     """nccl and ipc (their CPU plug-ins): a send that fails after its first bucket fails the
     sync on every rank, leaves the engine serving (a "-failed" label, never meta tensors: it
@@ -413,7 +415,11 @@ def test_gpu_kinds_fail_like_the_cpu_ones_and_the_next_sync_repairs(
     record = records[failed]
     assert record["error_phase"] == "send" and "injected failure" in record["error"]
     (engine,) = record["engines"]
-    assert engine["is_paused"] is False and engine["weight_version"].endswith("-failed")
+    # The label: the failed one, or the previous one where the engine had already ended the
+    # update itself (its receiver saw the abort) before the trainer's finish arrived.
+    version = record["step"].version
+    assert engine["is_paused"] is False
+    assert engine["weight_version"] in (f"{version}-failed", previous), engine["weight_version"]
     assert len(engine["greedy"]) == GREEDY_TOKENS
     assert_synced(records[after], exported[after], hf, checkpoint)
 
