@@ -98,6 +98,17 @@ def tp1_run(servers, model_dir, model_builder, tmp_path_factory):
         SyncStep("nccl", a, version=5),  # after a reconnect of every rank (the group aborted)
         SyncStep("ipc", b, version=4, fail_in_send=True),
         SyncStep("ipc", b, version=5),
+        # Two reconnects in a row for every kind (a broadcast engine replaces its stage's group).
+        *(
+            SyncStep(kind, engines, version=version, reconnect=True)
+            for kind, engines, first in (
+                ("gloo", a, 6),
+                ("nccl", a, 8),
+                ("shm", b, 6),
+                ("ipc", b, 8),
+            )
+            for version in (first, first + 1)
+        ),
     )
     job = SyncJob(model_dir=model_dir, steps=steps)
     return run_sync_job(job, 1, tmp_path_factory.mktemp("tp1"))
@@ -214,25 +225,27 @@ def test_delta_broken_after_its_first_bucket_is_repaired_before_generation_resum
     assert records[6]["report"].delta == "full"
 
 
+@pytest.mark.parametrize("kind", ["gloo", "nccl", "shm", "ipc"])
 def test_sender_killed_mid_delta_leaves_the_previous_weights_then_a_full_sync(
-    servers, model_dir, hf, checkpoint, tmp_path_factory
+    servers, model_dir, hf, checkpoint, tmp_path_factory, kind
 ):
     """The trainer's only rank dies (SIGKILL) while sending a delta (after its first bucket):
     the engine, left paused, holds the previous version whole; the next trainer's first sync
-    is full, exact, and resumes it."""
-    a = (servers["A"],)
+    is full, exact, and resumes it. Every kind (nccl and ipc with their CPU plug-ins)."""
+    url = servers["A"] if kind in ("gloo", "nccl") else servers["B"]
+    a = (url,)
     first = SyncJob(
         model_dir=model_dir,
         steps=(
-            SyncStep("gloo", a, version=50, delta=True),
-            SyncStep("gloo", a, version=51, delta=True, changed_fraction=0.3, kill_in_send=True),
+            SyncStep(kind, a, version=50, delta=True),
+            SyncStep(kind, a, version=51, delta=True, changed_fraction=0.3, kill_in_send=True),
         ),
     )
-    out = tmp_path_factory.mktemp("delta-kill")
+    out = tmp_path_factory.mktemp(f"delta-kill-{kind}")
     with pytest.raises(RuntimeError, match="sync job failed"):
         run_sync_job(first, 1, out)
     (record,), (weights,) = load_sync_records(out, 1)
-    engine = VLLMEngine(EngineConfig(model_path=model_dir, auth_token=TOKEN), url=servers["A"])
+    engine = VLLMEngine(EngineConfig(model_path=model_dir, auth_token=TOKEN), url=url)
     engine.init()
     assert engine.is_paused()
     # What the next trainer's connect does first: end the update the dead one left open (or,
@@ -246,9 +259,9 @@ def test_sender_killed_mid_delta_leaves_the_previous_weights_then_a_full_sync(
     assert engine.get_weight_version() == "50"
     second = SyncJob(
         model_dir=model_dir,
-        steps=(SyncStep("gloo", a, version=52, delta=True, changed_fraction=0.01),),
+        steps=(SyncStep(kind, a, version=52, delta=True, changed_fraction=0.01),),
     )
-    (record,), (weights,) = run_sync_job(second, 1, tmp_path_factory.mktemp("delta-after-kill"))
+    (record,), (weights,) = run_sync_job(second, 1, tmp_path_factory.mktemp(f"after-kill-{kind}"))
     assert record["report"].delta == "full"
     assert_synced(record, weights, hf, checkpoint)
     assert not record["engines"][0]["is_paused"]
@@ -291,7 +304,7 @@ def test_a_live_engine_seeds_a_joiner_exactly(servers, model_dir, tmp_path_facto
 @pytest.mark.parametrize(
     ("run", "step_indices"),
     [
-        ("tp1_run", (0, 1, 4, 5, 7, 9, 11)),
+        ("tp1_run", (0, 1, 4, 5, 7, 9, 11, *range(12, 20))),
         ("tp2_run", tuple(range(11))),
         ("pp2_run", (0, 1, 2, 4, 5, 6, 7)),
     ],

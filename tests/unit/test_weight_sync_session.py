@@ -251,3 +251,31 @@ def test_colocated_holders_one_rank_per_engine_device_the_sender_first():
     assert plan_holders(host, [["cpu", "cpu"]]) == {0: {"cpu": 0}, 1: {"cpu": 1}}
     with pytest.raises(ValueError, match=r"engine 0 worker 1 is on device cuda:e.*nccl"):
         plan_holders(ranks, [["cuda:a", "cuda:e"]])
+
+
+def test_broadcast_rendezvous_gives_up_at_the_configured_deadline():
+    """An engine that never joins its group (its init call returns without joining): the
+    sender's rendezvous fails after the transport's timeout, not vLLM's fixed 300 s."""
+    from vime.weight_sync.transports.broadcast import BroadcastTransport
+
+    transport = BroadcastTransport(engine_world_sizes=[1], timeout_s=2)
+    started = time.monotonic()
+    with pytest.raises(Exception):  # noqa: B017 (gloo's own timeout error type varies)
+        transport.connect([lambda info: None])
+    assert time.monotonic() - started < 15
+    transport.close()
+
+
+def test_engine_device_ids_become_each_engines_devices():
+    from vime.config import EngineConfig
+    from vime.rollout.server import build_server_command
+
+    config = EngineConfig(model_path="/m", num_engines=2, tensor_parallel_size=2,
+                          device_ids=["0,1", "2,3"])  # fmt: skip
+    _, env = build_server_command(config, 8000, rank=1)
+    assert env["VIME_DEVICE_IDS"] == "2,3"  # CPU: the workers' stand-in device ids
+    with pytest.raises(ValueError, match="engine rank 2"):
+        build_server_command(config, 8000, rank=2)
+    for bad in (["0,1"], ["0", "1"]):
+        with pytest.raises(ValueError, match="device_ids"):
+            EngineConfig(model_path="/m", num_engines=2, tensor_parallel_size=2, device_ids=bad)

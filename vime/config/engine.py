@@ -100,6 +100,16 @@ class EngineConfig(StrictModel):
     extra_env: dict[str, str] = Field(
         default_factory=dict, description="Further environment variables for the server."
     )
+    device_ids: list[str] | None = Field(
+        None,
+        description=(
+            "Per launched engine, the devices its workers run on, comma-separated, one per "
+            "worker (tensor_parallel_size of them), e.g. ['4', '5'] for two TP=1 engines on "
+            "GPUs 4 and 5. On a GPU machine it is the engine's CUDA_VISIBLE_DEVICES (keep the "
+            "trainer's GPUs out of it for nccl; give them for ipc); on CPU the workers' stand-in "
+            "device ids (cpu:<n>, VIME_DEVICE_IDS). None: wherever the launcher (Ray) puts them."
+        ),
+    )
     auth_token: str | None = Field(
         None,
         repr=False,
@@ -158,6 +168,20 @@ class EngineConfig(StrictModel):
                 f"engine.tensor_parallel_size={self.tensor_parallel_size} does not split over "
                 f"engine.num_nodes={self.num_nodes}: give a multiple of num_nodes"
             )
+        if self.device_ids is not None:
+            if len(self.device_ids) != self.num_engines or self.external_urls:
+                raise ValueError(
+                    f"engine.device_ids has {len(self.device_ids)} entries for "
+                    f"{self.num_engines} launched engines: give one per engine (none with "
+                    "external_urls)"
+                )
+            for index, ids in enumerate(self.device_ids):
+                if len(ids.split(",")) != self.tensor_parallel_size // self.num_nodes:
+                    raise ValueError(
+                        f"engine.device_ids[{index}]={ids!r} names {len(ids.split(','))} "
+                        f"devices for {self.tensor_parallel_size // self.num_nodes} workers per "
+                        "node: give one per worker, comma-separated"
+                    )
         for url in self.external_urls:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(
