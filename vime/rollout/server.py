@@ -180,16 +180,13 @@ def build_server_command(
         if config.cpu_reuse_freed_memory:
             tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
             env["GLIBC_TUNABLES"] = ":".join([*tunables, *REUSE_FREED_MEMORY_TUNABLES])
-    if config.device_ids is not None:
-        # One device per worker: on a GPU the engine sees exactly its own; on CPU the ids stand
-        # in for them (the colocated transport's placement, vime.weight_sync.devices).
+    if config.device_ids is not None:  # GPUs, or on CPU their stand-ins (weight_sync.devices)
         if rank >= len(config.device_ids):
             raise ValueError(
-                f"engine.device_ids names devices for {len(config.device_ids)} engines, none for "
-                f"engine rank {rank} (a fleet joiner?): list one entry per engine the job may run"
+                f"engine.device_ids has no entry for engine rank {rank} (a fleet joiner?): "
+                "list one per engine the job may run"
             )
-        devices = config.device_ids[rank]
-        env["CUDA_VISIBLE_DEVICES" if _has_cuda() else ENGINE_DEVICES_ENV] = devices
+        env["CUDA_VISIBLE_DEVICES" if _has_cuda() else ENGINE_DEVICES_ENV] = config.device_ids[rank]
     env.update(config.extra_env)
     return cmd, env
 
