@@ -21,6 +21,8 @@ setup(
         "pydantic>=2.10,<3",
         "pyyaml>=6,<7",
         "numpy>=2,<3",
+        # weight checksums (XXH3-128) on trainer and engine
+        "xxhash>=3.5,<5",
         "psutil>=5.9",
         # metrics.png and TensorBoard events, written by every job
         "tensorboard>=2.18,<3",

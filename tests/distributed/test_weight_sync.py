@@ -157,6 +157,9 @@ def pp2_run(servers, model_dir, model_builder, tmp_path_factory):
         SyncStep(
             "nccl", (servers["A"], servers["C"]), version=23, delta=True, changed_fraction=0.01
         ),
+        # An fp32 trainer (the bf16 checkpoint loaded in fp32, then an SGD step) into the bf16
+        # engine D: rounded to bf16 at the sender, exact on the cast bytes.
+        SyncStep("gloo", (servers["D"],), version=24, model_dir=bf16_dir),
     )
     job = SyncJob(model_dir=model_dir, pp=2, steps=steps)
     return run_sync_job(job, 2, tmp_path_factory.mktemp("pp2"))
@@ -371,6 +374,21 @@ def test_mismatched_weights_rejected_before_any_transfer(tp1_run, checkpoint):
     assert engine["is_paused"] is False
     assert engine["weight_version"] == "1"  # still the previous sync's
     assert engine["checksums"] == records[0]["engines"][0]["checksums"]
+
+
+def test_fp32_trainer_feeds_a_bf16_engine_cast_at_the_sender(pp2_run):
+    """Each tensor the engine serves in bf16 goes out rounded to nearest (Tensor.to), those it
+    keeps in fp32 (vLLM CPU's norms) exactly; its digests equal the cast trainer tensors'."""
+    records, exported = pp2_run
+    record, weights = records[8], exported[8]
+    assert next(iter(weights.values())).dtype == torch.float32
+    (engine,) = record["engines"]
+    assert served_differences(engine, weights) == []
+    assert any(m["dtype"] == "bfloat16" for m in engine["metadata"][0])
+    # Rounding happened: the trainer's fp32 values are not bf16 numbers, the served ones are.
+    assert any(not torch.equal(t, t.to(torch.bfloat16).float()) for t in weights.values())
+    assert record["report"].verified and engine["weight_version"] == "24"
+    assert not engine["is_paused"] and len(engine["greedy"]) == GREEDY_TOKENS
 
 
 def test_unmapped_parameter_rejected_on_every_rank_before_any_byte(pp2_run):

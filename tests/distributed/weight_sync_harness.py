@@ -211,7 +211,8 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
         if not step.expect_error:
             perturb(model, topology, optimizer, index, step.changed_fraction)
         engine_config = EngineConfig(model_path=model_dir, request_timeout_s=60, auth_token=TOKEN)
-        key = (step.transport, step.engine_urls, step.clear_cache, model_dir, step.delta)
+        dtype = step.model_dtype or job.dtype
+        key = (step.transport, step.engine_urls, step.clear_cache, model_dir, dtype, step.delta)
         extra = None
         if step.extra_param and topology.pp_rank == topology.pp_size - 1:
             extra = model.decoder.layers[-1].mlp

@@ -279,3 +279,31 @@ def test_dense_bucket_matches_vllm_packed_layout():
     )
     for name, tensor in unpacked:
         assert tensor_digest(tensor) == tensor_digest(state_dict[name])
+
+
+def test_rounding_casts_only_float_to_narrower_float_when_asked():
+    fp32 = [("w", torch.float32, (4,))]
+    engine_bf16 = [{"name": "w", "dtype": "bfloat16", "shape": [4]}]
+    with pytest.raises(ValueError, match="sending"):
+        check_against_engine(fp32, engine_bf16, allow_lossless_casts=True)
+    check_against_engine(fp32, engine_bf16, allow_rounding_casts=True)
+    for served in ("int8", "float64"):  # an integer dtype, or wider: never a rounding cast
+        with pytest.raises(ValueError, match="sending"):
+            check_against_engine(
+                fp32, [{"name": "w", "dtype": served, "shape": [4]}], allow_rounding_casts=True
+            )
+    with pytest.raises(ValueError, match="sending"):  # fp16 <-> bf16 loses range or precision
+        check_against_engine([("w", torch.float16, (4,))], engine_bf16, allow_rounding_casts=True)
+
+
+def test_wire_dtypes_cast_only_what_an_engine_serves_narrower():
+    from vime.megatron.gather import HFWeightMeta
+    from vime.weight_sync.checks import wire_dtypes
+
+    metadata = [
+        HFWeightMeta("w", torch.float32, (4,), 0),
+        HFWeightMeta("norm", torch.float32, (4,), 0),
+        HFWeightMeta("b", torch.bfloat16, (4,), 0),
+    ]
+    layouts = [[{"w": ("bfloat16", None), "norm": ("float32", None), "b": ("float32", None)}]]
+    assert wire_dtypes(metadata, layouts) == {"w": torch.bfloat16}

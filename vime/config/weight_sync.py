@@ -173,8 +173,8 @@ class WeightSyncConfig(StrictModel):
     verify_checksums: bool = Field(
         False,
         description=(
-            "After each sync, compare the engine's per-tensor sha256 with the sent tensors' "
-            "(slow for big models: the engine reads back every weight)."
+            "After each sync, compare the engine's per-tensor XXH3-128 digest with the sent "
+            "tensors' (the engine reads back every weight it serves)."
         ),
     )
 

@@ -1,11 +1,12 @@
 """What the updater checks against the engines: before any byte moves, and after a sync.
 
 - `check_engines`: every worker of every engine serves the trainer's HF names, dtypes and shapes
-  (a tensor may be sent narrower when the cast is exact), runs the backend of the transport's
+  (a tensor may be sent narrower when the cast is exact, or cast to a narrower float the engine
+  serves), runs the backend of the transport's
   shape, and sits on a device the transport's plug-in can reach (a GPU for nccl and ipc); every
   rank raises the same ValueError otherwise. Each worker's device id comes back for placement.
-- `verify_engines`: every worker's sha256 of its part of each tensor equals the trainer's digest
-  of the same slice (weight_sync.verify_checksums).
+- `verify_engines`: every worker's digest (XXH3-128) of its part of each tensor equals the
+  trainer's digest of the same slice (weight_sync.verify_checksums).
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ import torch
 import torch.distributed as dist
 
 from vime.megatron.gather import HFWeightMeta
-from vime.weight_sync.buckets import check_against_engine, dtype_from_name, tensor_digest
+from vime.weight_sync.buckets import (
+    ROUNDING_CASTS,
+    check_against_engine,
+    dtype_from_name,
+    dtype_name,
+    tensor_digest,
+)
 from vime.weight_sync.names import ENGINE_BACKENDS
 from vime.weight_sync.session import WeightSyncError, call_engines
 from vime.weight_sync.shards import Shard, WorkerLayout, worker_layout
@@ -97,7 +104,9 @@ def check_engines(
             layouts = []
             for worker, expected in enumerate(workers):
                 try:
-                    check_against_engine(specs, expected, allow_lossless_casts=True)
+                    check_against_engine(
+                        specs, expected, allow_lossless_casts=True, allow_rounding_casts=True
+                    )
                     layouts.append(worker_layout(expected))
                 except ValueError as exc:
                     raise ValueError(f"worker {worker}: {exc}") from None
@@ -132,7 +141,7 @@ def verify_engines(
     version: int,
     timeout_s: float,
 ) -> None:
-    """Every engine worker's sha256 of its part of each tensor this sender sent must equal
+    """Every engine worker's digest of its part of each tensor this sender sent must equal
     the trainer's digest of the same slice."""
 
     def compare(engine: Any) -> None:
@@ -152,3 +161,18 @@ def verify_engines(
 
     call_engines(engines, "verify", compare, timeout_s=timeout_s)
     logger.debug("verified %d tensors on %d engines", len(sent), len(engines))
+
+
+def wire_dtypes(
+    metadata: list[HFWeightMeta], layouts: list[list[WorkerLayout]]
+) -> dict[str, torch.dtype]:
+    """{HF name: the dtype to send it in} for the tensors an engine serves in a narrower float
+    than the trainer holds (an fp32 trainer, a bf16 engine): the sender rounds them first, so the
+    bytes sent, served and digested are the cast ones."""
+    casts = {}
+    for meta in metadata:
+        served = {layout[meta.name][0] for workers in layouts for layout in workers}
+        narrower = sorted(served & ROUNDING_CASTS.get(dtype_name(meta.dtype), frozenset()))
+        if narrower:
+            casts[meta.name] = dtype_from_name(narrower[0])
+    return casts

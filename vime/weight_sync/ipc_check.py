@@ -99,7 +99,7 @@ def send_through_ipc(
             timer.update(pack=0.0, read=0.0, digest=0.0)
             started = time.perf_counter()
             transport.send_buckets(buckets, fill, [update_weights])
-            # The consumer's sha256 of what it read (on the CPU) is the check, not the transfer.
+            # The consumer's digest of what it read (on the CPU) is the check, not the transfer.
             total_s = time.perf_counter() - started - timer["digest"]
             results.append(
                 {

@@ -9,7 +9,7 @@ verification the sender digests each distinct slice an engine worker serves of w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -42,6 +42,7 @@ class StageSend:
         engines: Sequence[Any],
         engine_layouts: list[list[WorkerLayout]] | None,
         delta: DeltaEncoder,
+        casts: dict[str, torch.dtype],
         bucket_bytes: int,
         timeout: timedelta,
         timer: PhaseTimer,
@@ -59,6 +60,7 @@ class StageSend:
         self.engines = engines
         self.engine_layouts = engine_layouts
         self.delta = delta
+        self.casts = casts  # HF name -> the narrower float it is sent in (rounded to nearest)
         self.bucket_bytes = bucket_bytes
         self.timeout = timeout
         self.timer = timer
@@ -87,7 +89,9 @@ class StageSend:
     def send_own_stage(self) -> None:
         """Gather (every rank of the stage), then on the sender the buckets in `mode`."""
         assert self.plan is not None
-        gathered = self.plan.gather(self.gather_groups, timeout=self.timeout, timer=self.timer)
+        gathered = self._cast(
+            self.plan.gather(self.gather_groups, timeout=self.timeout, timer=self.timer)
+        )
         if self.transport is None:
             for _ in gathered:  # takes part in the stage's gathers; yields nothing here
                 pass
@@ -119,6 +123,13 @@ class StageSend:
             self.transport.send_buckets(buckets, fill, calls)
         leftover = [name for name, _ in gathered]
         assert not leftover, f"gathered tensors missing from the bucket plan: {leftover}"
+
+    def _cast(
+        self, gathered: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in gathered:
+            dtype = self.casts.get(name)
+            yield name, tensor if dtype is None else tensor.to(dtype)
 
     def _record(self, tensors: dict[str, torch.Tensor]) -> None:
         """With verification: each distinct (dtype, slice) some engine worker serves of each

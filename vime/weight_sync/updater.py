@@ -38,7 +38,7 @@ from vime.weight_sync.buckets import (
     Bucket,
     plan_buckets,
 )
-from vime.weight_sync.checks import Served, check_engines, verify_engines
+from vime.weight_sync.checks import Served, check_engines, verify_engines, wire_dtypes
 from vime.weight_sync.delta import DeltaEncoder, DeltaStats
 from vime.weight_sync.devices import device_id, plugin_device
 from vime.weight_sync.placement import RankPlace, plan_spreads
@@ -115,6 +115,7 @@ class WeightUpdater:
         # slice of the whole tensor it holds (tensor parallelism); read by check_engines.
         self.engine_layouts: list[list[WorkerLayout]] = []
         self.engine_devices: list[list[str]] = []  # per engine, per worker: its device id
+        self.casts: dict[str, torch.dtype] = {}  # HF name -> the narrower dtype it is sent in
         self.buckets: list[Bucket] = []
         self._timeout = timedelta(seconds=config.transfer_timeout_s)
         self._send_timer = PhaseTimer()
@@ -203,6 +204,7 @@ class WeightUpdater:
             timeout_s=self.config.transfer_timeout_s,
         )
         self.engine_layouts, self.engine_devices = facts.layouts, facts.devices
+        self.casts = wire_dtypes(self.metadata, self.engine_layouts)  # e.g. fp32 -> bf16
         here = RankPlace(dist.get_rank(), self.topology.pp_rank, self.is_sender, self.device_id)
         spreads = plan_spreads(  # where the bytes may go; colocated: the holders' groups
             here,
@@ -222,7 +224,7 @@ class WeightUpdater:
                 self.topology.pp_rank, spreads.get(self.topology.pp_rank)
             )
             self.buckets = plan_buckets(
-                [(m.name, m.dtype, m.shape) for m in self.stage_metadata],
+                [(m.name, self.casts.get(m.name, m.dtype), m.shape) for m in self.stage_metadata],
                 self.config.update_weight_buffer_size,
                 alignment=self.transport.alignment,
             )
@@ -306,6 +308,7 @@ class WeightUpdater:
             engines=self.engines,
             engine_layouts=self.engine_layouts if self.config.verify_checksums else None,
             delta=self.delta,
+            casts=self.casts,
             bucket_bytes=self.config.update_weight_buffer_size,
             timeout=self._timeout,
             timer=self._send_timer,

@@ -25,7 +25,7 @@ vLLM's own NCCL and IPC engines. On CPU a bucket's load runs on every core the s
 
 `VimeWorkerExtension` adds methods callable through `POST /collective_rpc`:
 `vime_weight_metadata` (HF names, dtypes and whole shapes the engine expects, and the slice each
-worker holds, to check before sending), `vime_weight_checksums` (sha256 of each worker's part of
+worker holds, to check before sending), `vime_weight_checksums` (XXH3-128 of each worker's part of
 every HF-named tensor, to check after), `vime_device_id` (the device a
 colocated worker reads its buffers on) and
 `vime_weight_update_stats` (where the last update's time went on the worker) and
@@ -111,7 +111,7 @@ class VimeWorkerExtension:
         return receive_seed(self, json.loads(info))
 
     def vime_weight_checksums(self) -> dict[str, str]:
-        """{HF name: sha256 hex of this worker's part's bytes} for every weight it serves."""
+        """{HF name: XXH3-128 hex of this worker's part's bytes} for every weight it serves."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         return {served.name: tensor_digest(served.tensor) for served in served_shards(model)}
 
