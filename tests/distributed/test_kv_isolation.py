@@ -62,7 +62,7 @@ def test_new_version_salt_reads_no_kv_of_the_old_weights(engine_pool, tmp_path):
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from vime.weight_sync.trainer_engines import ShmTrainerInitInfo
+    from vime.weight_sync.trainer_engines import ColocatedTrainerInitInfo
 
     engine = engine_pool.get("shm")["shm"]
     url, token = engine.url, engine.auth_token
@@ -96,7 +96,7 @@ def test_new_version_salt_reads_no_kv_of_the_old_weights(engine_pool, tmp_path):
         engine.pause_generation("keep", clear_cache=False)
         flushed = engine.flush_cache(timeout_s=0.0, raise_on_timeout=False)
         sender = WeightTransferTrainerFactory.trainer_init(
-            ShmTrainerInitInfo(rank=0, bucket_bytes=1 << 20),
+            ColocatedTrainerInitInfo(rank=0, bucket_bytes=1 << 20),
             client=engine,
             source=ModuleSource(new_model),
         )

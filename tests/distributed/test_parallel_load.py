@@ -93,12 +93,12 @@ def _send_through_vllm_api(server: Server, model_dir: Path) -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from vime.rollout.vllm_engine import VLLMEngine
-    from vime.weight_sync.trainer_engines import ShmTrainerInitInfo
+    from vime.weight_sync.trainer_engines import ColocatedTrainerInitInfo
 
     client = VLLMEngine(server.config, url=server.url)
     client.init()
     sender = WeightTransferTrainerFactory.trainer_init(
-        ShmTrainerInitInfo(rank=0, bucket_bytes=BUCKET_BYTES),
+        ColocatedTrainerInitInfo(rank=0, bucket_bytes=BUCKET_BYTES),
         client=client,
         source=ModuleSource(load_hf_model(model_dir)),
     )

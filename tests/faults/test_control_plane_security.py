@@ -64,14 +64,16 @@ def test_every_route_answers_401_without_the_token_and_changes_nothing(engine):
     assert _greedy(engine) == before
 
 
-def test_shm_backend_rejects_a_foreign_directory(engine):
-    with pytest.raises(EngineHTTPError, match="is not /dev/shm"):
-        engine.init_weight_transfer_engine({"shm_dir": "/tmp"})
+def test_colocated_backend_refuses_unknown_handles_and_gpu_handles_on_cpu(engine):
+    with pytest.raises(EngineHTTPError, match="unknown handle kind 'file'"):
+        engine.init_weight_transfer_engine({"handles": "file"})
+    with pytest.raises(EngineHTTPError, match="CUDA IPC handles; this worker runs on cpu"):
+        engine.init_weight_transfer_engine({"handles": "ipc"})
 
 
 @pytest.mark.parametrize("case", ["foreign name", "symlink", "shared mode"])
 def test_shm_backend_maps_only_private_vime_segments(engine, tmp_path, case):
-    engine.init_weight_transfer_engine({"shm_dir": "/dev/shm"})
+    engine.init_weight_transfer_engine({"handles": "shm"})
     name = f"vime-{os.getpid()}-{uuid.uuid4().hex[:8]}-0"
     path = f"/dev/shm/{name}"
     if case == "foreign name":
@@ -91,8 +93,15 @@ def test_shm_backend_maps_only_private_vime_segments(engine, tmp_path, case):
             handle.write(b"\0" * 512)
         os.chmod(path, 0o644)
         expected = "not a private regular file"
-    bucket = {"index": 0, "names": ["model.norm.weight"], "dtype_names": ["float32"],
-              "shapes": [[128]], "offsets": [0], "nbytes": 512, "shm_name": name}  # fmt: skip
+    bucket = {
+        "index": 0,
+        "names": ["model.norm.weight"],
+        "dtype_names": ["float32"],
+        "shapes": [[128]],
+        "offsets": [0],
+        "nbytes": 512,
+        "handles": {"cpu": {"shm_name": name}},  # this worker's device: the shared host
+    }
     before = engine.get_weight_version()
     try:
         engine.start_weight_update()
