@@ -140,6 +140,7 @@ def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny
     # with the tensors the others hold, leavers take none with them.
     assert last["fleet/seeded"] == 2
     assert [m["sync/delta"] for m in metrics] == [1.0] * num_steps, metrics
+    assert [m["sync/delta_repaired"] for m in metrics] == [0.0] * num_steps
     summary = json.loads((run_dir / "summary.json").read_text())
     assert len(summary["fleet_join_to_serve_s"]) == 2 and len(summary["fleet_drain_s"]) == 2
     assert len(summary["fleet_seed_s"]) == 2

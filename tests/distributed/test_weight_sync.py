@@ -220,6 +220,10 @@ def test_delta_broken_after_its_first_bucket_is_repaired_before_generation_resum
     record = records[5]
     assert "error" not in record, record.get("error")
     assert record["report"].repaired and record["report"].delta == "full"
+    from vime.job.report import _delta_metrics
+
+    metrics = _delta_metrics(record["report"])  # what the job's metrics row says of it
+    assert metrics["sync/delta"] == 0.0 and metrics["sync/delta_repaired"] == 1.0
     # The request in flight across the failed delta and its repair saw whole versions only:
     # the previous one, then the repaired one (never a "-failed" label, never a mix).
     versions = record["inflight"]["weight_versions"]

@@ -93,12 +93,14 @@ class Reporter:
 
 
 def _delta_metrics(sync: Any) -> dict[str, float]:
-    """weight_sync.transport.delta: whether the sync was a delta, what share of the elements
-    changed, what a full sync would have sent (rank 0's stage)."""
+    """weight_sync.transport.delta: whether the sync was a delta, whether it was a failed delta
+    repaired in full before the engines resumed, what share of the elements changed, what a full
+    sync would have sent (rank 0's stage)."""
     if getattr(sync, "delta", None) is None:
         return {}
     metrics = {
         "sync/delta": float(sync.delta == "delta"),
+        "sync/delta_repaired": float(sync.repaired),
         "sync/full_bytes": float(sync.full_bytes),
     }
     if sync.changed_fraction is not None:
