@@ -128,3 +128,10 @@ def test_trainer_tensor_parallelism_must_split_the_checkpoints_heads(tmp_path, c
     assert "use one of [1, 3]" in err
     config = load_config(TrainConfig, MAIN, [*base[1:], "trainer.tensor_parallel_size=3"])
     preflight(config)
+
+
+def test_a_model_is_built_from_one_source_and_a_pretrained_one_must_be_known(tmp_path, capsys):
+    with pytest.raises(ValueError, match="give one"):
+        load_config(TrainConfig, MAIN, ["model.pretrained=smollm2-135m-instruct"])
+    err = _exit_2(tmp_path, capsys, str(MAIN), "model.preset=null", "model.pretrained=gpt-5")
+    assert "model.pretrained='gpt-5': choose one of ['smollm2-135m-instruct']" in err

@@ -66,3 +66,32 @@ def test_load_reward_fn_errors_name_the_path(path, message):
         load_reward_fn(path)
     assert message in str(info.value)
     assert path in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("17 + 16 = 33", 1.0),
+        ("The answer is 33.", 1.0),
+        ("33", 1.0),
+        ("17 + 16 = 32", 0.0),
+        ("To add 17 and 16, we", 0.0),  # cut off before its answer
+        ("", 0.0),
+    ],
+)
+def test_final_number_scores_the_last_integer(completion, expected):
+    from vime.rl.rewards import final_number
+
+    assert final_number("What is 17 + 16?", completion, {"answer": 33}) == expected
+    with pytest.raises(ValueError, match="integer"):
+        final_number("q", completion, {"answer": "33"})
+
+
+def test_addition_task_splits_every_pair_once():
+    from vime.rl.data import load_prompts, make_addition, resolve_data_path
+
+    train, test = make_addition(20, seed=0)
+    assert len(train) == len(test) == 200
+    assert not {r["id"] for r in train} & {r["id"] for r in test}
+    shipped = load_prompts(resolve_data_path("add_small/test.jsonl"))
+    assert [r.id for r in shipped] == [r["id"] for r in test]  # the shipped files are these

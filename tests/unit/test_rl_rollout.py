@@ -300,3 +300,20 @@ def test_requests_are_salted_with_the_served_version_and_stale_prefixes_are_set_
     batch = asyncio.run(make_manager(client).generate_batch(0, weight_version=3))
     assert not any(s.stale_prefix for s in batch.samples)
     assert batch.metrics()["rollout/stale_prefix_fraction"] == 0.0
+
+
+def test_prompts_go_as_text_or_as_a_chat_turn(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from vime.rl.rollout import prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert prompt_ids(tokenizer, "Q: 1 A:", chat=False) == tokenizer("Q: 1 A:").input_ids
+    with pytest.raises(ValueError, match="no chat template"):
+        prompt_ids(tokenizer, "Q: 1 A:", chat=True)
+    tokenizer.chat_template = (
+        "{% for m in messages %}user: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    expected = tokenizer("user: Q: 1 A:\nassistant:", add_special_tokens=False).input_ids
+    assert prompt_ids(tokenizer, "Q: 1 A:", chat=True) == expected

@@ -17,13 +17,34 @@ from vime.config.weight_sync import WeightSyncConfig
 
 
 class ModelBuildConfig(StrictModel):
-    """Build the tiny checkpoint at engine.model_path if it is absent (no downloads)."""
+    """Build the checkpoint at engine.model_path if it is absent (no downloads)."""
 
     preset: str | None = Field(
-        None, description="vime.testing.tiny_model preset to build; None: the path must exist."
+        None, description="vime.testing.tiny_model preset to build (random weights)."
+    )
+    pretrained: str | None = Field(
+        None,
+        description=(
+            "vime.pretrained model to build from the package that ships its weights, e.g. "
+            "smollm2-135m-instruct. None (and no preset): engine.model_path must exist."
+        ),
     )
     dtype: str = Field("float32", description="dtype of the built checkpoint.")
-    seed: int = Field(0, description="Seed of the built random weights.")
+    seed: int = Field(0, description="Seed of the built random weights (preset).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelBuildConfig:
+        if self.preset is not None and self.pretrained is not None:
+            raise ValueError(
+                f"model.preset={self.preset!r} and model.pretrained={self.pretrained!r}: "
+                "give one (a random tiny model, or a real pretrained one)"
+            )
+        return self
+
+    @property
+    def builds(self) -> bool:
+        """Whether the job builds engine.model_path (if absent)."""
+        return self.preset is not None or self.pretrained is not None
 
 
 class TrainConfig(StrictModel):

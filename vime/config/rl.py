@@ -30,6 +30,13 @@ class RolloutConfig(StrictModel):
         8, ge=1, description="Samples per prompt: the GRPO group size."
     )
     max_tokens: int = Field(8, ge=1, description="Most tokens generated per sample.")
+    chat_template: bool = Field(
+        False,
+        description=(
+            "Send each prompt as one user turn of the tokenizer's chat template, the assistant's "
+            "turn opened (an instruct model); False: the prompt's text as it is."
+        ),
+    )
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (1.0: the policy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1.0 samples the policy.")
     top_k: int = Field(-1, description="Top-k sampling; -1 samples the policy.")

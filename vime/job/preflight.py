@@ -38,13 +38,25 @@ def check_checkpoint(config: TrainConfig) -> None:
     """The trainer and the tokenizer read engine.model_path: it must be an HF checkpoint directory,
     unless model.preset builds one there."""
     path = Path(config.engine.model_path)
-    if config.model.preset is None and not (path / "config.json").is_file():
+    if config.model.pretrained is not None:
+        from vime.pretrained import PRETRAINED, gguf_path
+
+        if config.model.pretrained not in PRETRAINED:
+            raise _field_error(
+                "model.pretrained", config.model.pretrained, f"choose one of {sorted(PRETRAINED)}"
+            )
+        try:
+            gguf_path(config.model.pretrained)  # its package is installed
+        except FileNotFoundError as exc:
+            raise _field_error("model.pretrained", config.model.pretrained, str(exc)) from None
+    if not config.model.builds and not (path / "config.json").is_file():
         what = "has no config.json" if path.is_dir() else "does not exist"
         raise _field_error(
             "engine.model_path",
             config.engine.model_path,
             f"{what}: give the directory of an HF checkpoint (config.json, safetensors, "
-            "tokenizer), or set model.preset to build a tiny one there",
+            "tokenizer), or set model.preset (a tiny random one) or model.pretrained to build "
+            "one there",
         )
 
 
@@ -53,7 +65,7 @@ def check_tensor_parallel(config: TrainConfig) -> None:
     from vime.megatron.model import check_heads_split
 
     path = Path(config.engine.model_path) / "config.json"
-    if config.model.preset is not None or not path.is_file():
+    if not path.is_file():  # built by the job: build_gpt_chunks checks the same rule
         return
     hf = json.loads(path.read_text())
     heads = hf.get("num_attention_heads")

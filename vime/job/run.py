@@ -93,11 +93,15 @@ def _prepare_run_dir(config: TrainConfig, run_dir: Path) -> None:
     # Without the derived engine backend, so that the file loads back as a config.
     resolved = config.model_dump_json(indent=2, exclude={"engine": {"weight_transfer_backend"}})
     (run_dir / "config.resolved.json").write_text(resolved)
-    if config.model.preset is not None:
+    model = config.model
+    if model.preset is not None:
         from vime.testing.tiny_model import build_tiny_model
 
-        model = config.model
-        build_tiny_model(config.engine.model_path, config.model.preset, model.dtype, model.seed)
+        build_tiny_model(config.engine.model_path, model.preset, model.dtype, model.seed)
+    if model.pretrained is not None:
+        from vime.pretrained import build_pretrained
+
+        build_pretrained(model.pretrained, config.engine.model_path, model.dtype)
 
 
 def _build_trainer(config: TrainConfig) -> tuple[Any, Any]:

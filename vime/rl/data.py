@@ -139,6 +139,24 @@ def digit_repeat_demonstrations(
     ]
 
 
+def make_addition(max_operand: int, seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The small-addition task for an instruct model (reward `vime.rl.rewards:final_number`):
+    every pair a + b with 1 <= a, b <= max_operand, split in halves (train, held-out test), no
+    pair in both."""
+    rows = [
+        {
+            "id": f"add-{a}-{b}",
+            "prompt": f"What is {a} + {b}? Answer with just the number.",
+            "answer": a + b,
+        }
+        for a in range(1, max_operand + 1)
+        for b in range(1, max_operand + 1)
+    ]
+    random.Random(seed).shuffle(rows)
+    half = len(rows) // 2
+    return rows[:half], rows[half:]
+
+
 def write_jsonl(rows: list[dict[str, Any]], path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -156,7 +174,11 @@ def main(argv: list[str] | None = None) -> None:
     write_jsonl(make_digit_repeat(args.num_train, seed=0), out / "train.jsonl")
     write_jsonl(make_digit_repeat(args.num_test, seed=1), out / "test.jsonl")
     write_jsonl(digit_repeat_demonstrations(args.num_sft, seed=2), out / "sft.jsonl")
-    print(out)
+    train, test = make_addition(20, seed=0)
+    addition = out.parent / "add_small"
+    write_jsonl(train, addition / "train.jsonl")
+    write_jsonl(test, addition / "test.jsonl")
+    print(out, addition)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,14 @@ to about 0.4 in 110-150 steps; a solver scores 1.
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 RewardFn = Callable[[str, str, Mapping[str, Any]], float]
 
 DIGIT_MATCH_CHARS = 8
+_INTEGER = re.compile(r"-?\d+")
 
 
 def _target_digit(metadata: Mapping[str, Any], reward_name: str) -> str:
@@ -65,6 +67,17 @@ def exact_match(prompt_text: str, completion_text: str, metadata: Mapping[str, A
     matched = sum(a == b for a, b in zip(completion, answer, strict=False))
     # Never full credit for a longer or different string.
     return 0.9 * matched / max(len(answer), len(completion))
+
+
+def final_number(prompt_text: str, completion_text: str, metadata: Mapping[str, Any]) -> float:
+    """1 if the last integer the completion writes equals `metadata["answer"]`, else 0 (the
+    arithmetic task: "17 + 16 = 33" and "The answer is 33." both score; a completion cut off
+    before its answer does not)."""
+    answer = metadata.get("answer")
+    if not isinstance(answer, int) or isinstance(answer, bool):
+        raise ValueError(f"final_number needs metadata['answer'] to be an integer, got {answer!r}")
+    numbers = _INTEGER.findall(completion_text)
+    return 1.0 if numbers and int(numbers[-1]) == answer else 0.0
 
 
 def load_reward_fn(path: str) -> RewardFn:

@@ -43,6 +43,22 @@ from vime.rollout.generation import GenerationClient, GenerationResult, Sampling
 logger = logging.getLogger(__name__)
 
 
+def prompt_ids(tokenizer: Any, prompt: str, *, chat: bool) -> list[int]:
+    """The token ids an engine is sent for `prompt`: as text, or as one user turn of the
+    tokenizer's chat template with the assistant's turn opened."""
+    if not chat:
+        return list(tokenizer(prompt).input_ids)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "rollout.chat_template is true but the tokenizer has no chat template: set it false "
+            "or give a checkpoint whose tokenizer_config/chat_template.jinja has one"
+        )
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    )
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 class RolloutManager:
     """Turns steps into RolloutBatches: picks prompts, samples groups, scores them.
 
@@ -65,7 +81,9 @@ class RolloutManager:
             prompts = load_prompts(resolve_data_path(config.prompts_path))
         self.prompts = list(prompts)
         self.reward_fn = reward_fn or load_reward_fn(config.reward_fn)
-        self._prompt_ids = [tokenizer(p.prompt).input_ids for p in self.prompts]
+        self._prompt_ids = [
+            prompt_ids(tokenizer, p.prompt, chat=config.chat_template) for p in self.prompts
+        ]
         self.sampling = SamplingConfig(
             max_tokens=config.max_tokens,
             temperature=config.temperature,
