@@ -67,7 +67,7 @@ def build_pretrained(name: str, out_dir: str | Path, dtype: str = "float32") -> 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {sorted(DTYPES)}")
     out = Path(out_dir)
-    stamp = {"name": name, "dtype": dtype}
+    stamp = {"name": name, "dtype": dtype, "format": 2}  # format: what the build writes
     if (out / STAMP).exists() and json.loads((out / STAMP).read_text()) == stamp:
         return out
     gguf = gguf_path(name)
@@ -89,6 +89,7 @@ def build_pretrained(name: str, out_dir: str | Path, dtype: str = "float32") -> 
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = DTYPES[dtype]
+    config.architectures = [type(model).__name__]  # a GGUF config names none; loaders need it
     config.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     (out / STAMP).write_text(json.dumps(stamp))

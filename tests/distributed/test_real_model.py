@@ -145,3 +145,43 @@ def test_synced_engine_generates_like_one_loaded_from_the_same_weights(
         "reload_weights", kwargs={"weights_path": str(checkpoint), "is_checkpoint_format": True}
     )
     assert completions_greedy(engine.url, PROMPT_IDS) == after_sync["greedy"]
+
+
+def test_the_real_model_rl_job_runs_a_few_steps_on_the_shared_engine(engines, model_dir, tmp_path):
+    """configs/smollm2_add_rl.yaml, two steps, attached to engine S (no engine start of its
+    own): the chat-template prompts, the final_number reward, an fp32 trainer feeding the bf16
+    engine with delta syncs, verified; held-out greedy pass@1 before and after."""
+    import json
+    import os
+    import subprocess
+
+    from engine_token import TOKEN
+    from test_train_job import REPO_ROOT, job_command
+
+    run_dir = tmp_path / "run"
+    command = job_command(
+        "smollm2_add_rl.yaml",
+        run_dir,
+        Path(model_dir),
+        "model.pretrained=null",
+        "num_steps=2",
+        "rollout.num_prompts_per_step=2",
+        "rollout.num_samples_per_prompt=4",
+        "weight_sync.verify_checksums=true",
+        f"engine.external_urls=[{engines['S'].url}]",
+    )
+    completed = subprocess.run(
+        command,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "VIME_ENGINE_TOKEN": TOKEN},
+    )
+    assert completed.returncode == 0, completed.stderr[-6000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["sync/weight_version"] for m in rows] == [1, 2]
+    assert all(m["sync/verified"] == 1.0 for m in rows)
+    assert [m["sync/delta"] for m in rows] == [1.0, 1.0]  # version 0 went in full on attach
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert len(evals) == 2 and all(0.0 < e["eval/pass_at_1"] < 1.0 for e in evals), evals

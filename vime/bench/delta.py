@@ -32,14 +32,17 @@ logger = logging.getLogger("vime.bench")
 
 
 def masters_step(
-    model: torch.nn.Module, masters: list[torch.Tensor], optimizer: Any, vocab_size: int, step: int
+    model: torch.nn.Module,
+    masters: list[torch.Tensor],
+    optimizer: Any,
+    vocab_size: int,
+    ids: torch.Tensor,
 ) -> float:
-    """One mixed-precision step: bf16 grads -> fp32 masters -> AdamW -> bf16 params."""
+    """One mixed-precision step on the batch `ids`: bf16 grads -> fp32 masters -> AdamW -> bf16
+    params."""
     from vime.megatron.forward import token_logprobs
 
     model.train()
-    generator = torch.Generator().manual_seed(step)
-    ids = torch.randint(0, vocab_size, (2, 65), generator=generator)
     loss = -token_logprobs(model, ids, vocab_size=vocab_size).mean()
     params = list(model.parameters())
     for param in params:
@@ -63,11 +66,10 @@ def sync_seconds(report: Any) -> float:
 
 def bf16_trainer(args: argparse.Namespace, topology: Any, sync_group: Any) -> tuple[Path, Any]:
     """(the bf16 checkpoint of --preset, a one-rank trainer on it) for --delta and --seed."""
-    from vime.bench.sync_setup import build_trainer, unpin
-    from vime.testing.tiny_model import build_tiny_model
+    from vime.bench.sync_setup import build_bench_model, build_trainer, unpin
 
     model_dir = Path(args.model_root) / f"bench-{args.preset}-bfloat16"
-    build_tiny_model(model_dir, args.preset, "bfloat16")
+    build_bench_model(model_dir, args.preset, "bfloat16")
     unpin()
     return model_dir, build_trainer(model_dir, "bfloat16", topology, sync_group)
 
@@ -83,7 +85,7 @@ def write_figures(args: argparse.Namespace, name: str, figures: dict[str, Any], 
 
 def bench_delta(args: argparse.Namespace, topology: Any, sync_group: Any) -> dict[str, Any]:
     """Run the benchmark on this rank (world of one); rank 0 writes and prints the figures."""
-    from vime.bench.sync_setup import pin_trainer, running_engine
+    from vime.bench.sync_setup import pin_trainer, running_engine, training_batch
 
     dtype = "bfloat16"
     model_dir, trainer = bf16_trainer(args, topology, sync_group)
@@ -106,7 +108,8 @@ def bench_delta(args: argparse.Namespace, topology: Any, sync_group: Any) -> dic
             for step in range(args.delta_steps):
                 began = time.perf_counter()
                 vocab = trainer.converter.dims.vocab_size
-                loss = masters_step(trainer.model, masters, optimizer, vocab, step)
+                ids = training_batch(model_dir, vocab, step)
+                loss = masters_step(trainer.model, masters, optimizer, vocab, ids)
                 step_s = time.perf_counter() - began
                 delta = sync.update_weights()
                 delta_engine = engine.collective_rpc("vime_weight_update_stats")[0]

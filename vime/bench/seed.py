@@ -34,7 +34,7 @@ logger = logging.getLogger("vime.bench")
 
 def bench_seed(args: argparse.Namespace, topology: Any, sync_group: Any) -> dict[str, Any]:
     """Run the benchmark on this rank (world of one); rank 0 writes and prints the figures."""
-    from vime.bench.sync_setup import pin_trainer, running_engine
+    from vime.bench.sync_setup import pin_trainer, running_engine, training_batch
     from vime.weight_sync.seed import seed_engine
 
     if dist.get_world_size() != 1:
@@ -61,10 +61,12 @@ def bench_seed(args: argparse.Namespace, topology: Any, sync_group: Any) -> dict
         vocab = trainer.converter.dims.vocab_size
         rows = []
         for step in range(args.delta_steps):
-            masters_step(trainer.model, masters, optimizer, vocab, 2 * step)
+            batch = training_batch(model_dir, vocab, 2 * step)
+            masters_step(trainer.model, masters, optimizer, vocab, batch)
             sync.reset_delta()  # fleet.seed=trainer: the join step's sync is full for all
             full = sync.update_weights()
-            masters_step(trainer.model, masters, optimizer, vocab, 2 * step + 1)
+            batch = training_batch(model_dir, vocab, 2 * step + 1)
+            masters_step(trainer.model, masters, optimizer, vocab, batch)
             seed = seed_engine(live, joiner, address="127.0.0.1", version=sync.weight_version,
                                bucket_bytes=bucket_bytes, timeout_s=900)  # fmt: skip
             delta = sync.update_weights()  # fleet.seed=engine: the step's sync stays a delta

@@ -49,6 +49,7 @@ from vime.bench.sync_results import (
 from vime.bench.sync_setup import (
     Trainer,
     all_cores,
+    build_bench_model,
     build_trainer,
     engine_cpu_binding,
     pin_trainer,
@@ -70,9 +71,7 @@ def bench_dtype(
     rank = dist.get_rank()
     model_dir = Path(args.model_root) / f"bench-{preset}-{dtype}"
     if rank == 0:
-        from vime.testing.tiny_model import build_tiny_model
-
-        build_tiny_model(model_dir, preset, dtype)
+        build_bench_model(model_dir, preset, dtype)
     dist.barrier()
     unpin()
     trainer = build_trainer(model_dir, dtype, topology, sync_group)
@@ -193,7 +192,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="vime bench-sync", description=__doc__.splitlines()[0].strip("`: ")
     )
-    parser.add_argument("--preset", default="qwen2.5-0.5b", help="vime.testing.tiny_model preset")
+    parser.add_argument(
+        "--preset",
+        default="qwen2.5-0.5b",
+        help="vime.testing.tiny_model preset (random weights), or a vime.pretrained model "
+        "(real weights, e.g. smollm2-135m-instruct)",
+    )
     parser.add_argument(
         "--sizes",
         nargs="+",

@@ -73,6 +73,43 @@ def parse_env(pairs: list[str]) -> dict[str, str]:
     return env
 
 
+def build_bench_model(model_dir: Path, preset: str, dtype: str) -> Path:
+    """The benchmark's checkpoint: a real pretrained one (`vime.pretrained`, e.g.
+    smollm2-135m-instruct) or a random one of a tiny_model preset's shape."""
+    from vime.pretrained import PRETRAINED, build_pretrained
+    from vime.testing.tiny_model import build_tiny_model
+
+    if preset in PRETRAINED:
+        return build_pretrained(preset, model_dir, dtype)
+    return build_tiny_model(model_dir, preset, dtype)
+
+
+def training_batch(model_dir: Path, vocab_size: int, step: int, length: int = 65) -> torch.Tensor:
+    """Two sequences of `length` token ids for a benchmark's optimizer step: real text for a
+    pretrained checkpoint (the small-addition task's prompts and answers in its chat template),
+    random ids for a random one."""
+    generator = torch.Generator().manual_seed(step)
+    if not (model_dir / "vime_pretrained.json").exists():
+        return torch.randint(0, vocab_size, (2, length), generator=generator)
+    from transformers import AutoTokenizer
+
+    from vime.rl.data import load_prompts, resolve_data_path
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    records = load_prompts(resolve_data_path("add_small/train.jsonl"))
+    rows = []
+    for index in torch.randint(0, len(records), (2,), generator=generator).tolist():
+        record = records[index]
+        chat = [
+            {"role": "user", "content": record.prompt},
+            {"role": "assistant", "content": str(record.metadata["answer"])},
+        ]
+        ids = tokenizer.apply_chat_template(chat, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        rows.append((ids * (length // len(ids) + 1))[:length])  # repeated to the length
+    return torch.tensor(rows)
+
+
 def pin_trainer() -> list[int]:
     """Pin this process (and torch's threads) to the trainer's cores; returns them."""
     _, trainer_cores = split_cores()
