@@ -133,7 +133,11 @@ class ColocatedTransport(Transport):
                 f"bucket {bucket.index}: the buffer is not this transport's for it; pack into "
                 "buffer_for(bucket) and send that exact tensor"
             )
-        return self.send_buckets([bucket], lambda b, buf: None, update_calls)[0]
+        try:
+            return self._send_pipelined([bucket], lambda b, buf: None, update_calls)[0]
+        except BaseException:
+            self.discard()
+            raise
 
     def send_buckets(
         self, buckets: Sequence[Bucket], fill: FillBucket, update_calls: Sequence[EngineCall]
