@@ -198,8 +198,13 @@ def test_keep_pause_freezes_and_resume_completes_everything(engine):
         assert [version for version, _ in runs] == [old_version, "after-resume"], runs
 
 
+# Requests long enough that none can finish between the client seeing its first token and a
+# pause landing, even on a loaded machine where streamed tokens reach the client seconds late.
+GATED_TOKENS = 800
+
+
 def test_abort_pause_returns_partial_results_marked_aborted(engine):
-    sampling = streaming_sampling()
+    sampling = streaming_sampling(max_tokens=GATED_TOKENS)
     url = engine.url
 
     async def run():
@@ -207,6 +212,9 @@ def test_abort_pause_returns_partial_results_marked_aborted(engine):
         async with GenerationClient([url], token=TOKEN) as client:
             tasks = start_streams(client, sampling=sampling, on_tokens=first_tokens)
             await first_tokens.wait(NUM_STREAMING)
+            # The gate: a keep pause freezes every request still running, then the abort pause
+            # aborts exactly those (vLLM's abort finishes every request the scheduler holds).
+            await asyncio.to_thread(engine.pause_generation, "keep", False)
             await asyncio.to_thread(engine.pause_generation, "abort", True)
             results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
             engine.continue_generation()
@@ -253,7 +261,7 @@ def test_wait_pause_returns_after_running_requests_finish(engine):
 
 
 def test_flush_cache_after_keep_pause(engine):
-    sampling = streaming_sampling()
+    sampling = streaming_sampling(max_tokens=GATED_TOKENS)
     url = engine.url
 
     async def run(clear_cache: bool):
