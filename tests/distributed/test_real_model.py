@@ -152,7 +152,6 @@ def test_the_real_model_rl_job_runs_a_few_steps_on_the_shared_engine(engines, mo
     own): the chat-template prompts, the final_number reward, an fp32 trainer feeding the bf16
     engine with delta syncs, verified; held-out greedy pass@1 before and after."""
     import json
-    import os
     import subprocess
 
     from engine_token import TOKEN
@@ -169,6 +168,7 @@ def test_the_real_model_rl_job_runs_a_few_steps_on_the_shared_engine(engines, mo
         "rollout.num_samples_per_prompt=4",
         "weight_sync.verify_checksums=true",
         f"engine.external_urls=[{engines['S'].url}]",
+        f"engine.auth_token={TOKEN}",
     )
     completed = subprocess.run(
         command,
@@ -176,7 +176,6 @@ def test_the_real_model_rl_job_runs_a_few_steps_on_the_shared_engine(engines, mo
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, "VIME_ENGINE_TOKEN": TOKEN},
     )
     assert completed.returncode == 0, completed.stderr[-6000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
