@@ -25,6 +25,9 @@ pytestmark = pytest.mark.distributed
 MAX_MODEL_LEN = 1024
 PROMPT = [11, 22, 33]
 NUM_STREAMING = 8
+# Requests long enough that none can finish between the client seeing its first token and a
+# pause landing, even on a loaded machine where streamed tokens reach the client seconds late.
+GATED_TOKENS = 800
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +168,7 @@ def test_generate_returns_ids_logprobs_and_versions(engine):
 
 
 def test_keep_pause_freezes_and_resume_completes_everything(engine):
-    sampling = streaming_sampling()
+    sampling = streaming_sampling(max_tokens=GATED_TOKENS)
     url = engine.url
     old_version = engine.get_weight_version()
 
@@ -196,11 +199,6 @@ def test_keep_pause_freezes_and_resume_completes_everything(engine):
         # Paused mid-stream: old-version tokens, then only new-version tokens, none in between.
         runs = version_runs(result.weight_versions)
         assert [version for version, _ in runs] == [old_version, "after-resume"], runs
-
-
-# Requests long enough that none can finish between the client seeing its first token and a
-# pause landing, even on a loaded machine where streamed tokens reach the client seconds late.
-GATED_TOKENS = 800
 
 
 def test_abort_pause_returns_partial_results_marked_aborted(engine):
@@ -244,7 +242,9 @@ def test_wait_pause_returns_after_running_requests_finish(engine):
             results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
             # A request sent while paused is queued, not run, until resume.
             before_late = server_generated_tokens(url)
-            late = asyncio.create_task(client.generate(PROMPT, SamplingConfig(max_tokens=8)))
+            # ignore_eos: a sampled end-of-sequence token would end it short (1 in ~60 runs).
+            late_sampling = SamplingConfig(max_tokens=8, ignore_eos=True)
+            late = asyncio.create_task(client.generate(PROMPT, late_sampling))
             await asyncio.sleep(1.0)
             generated_while_paused = server_generated_tokens(url) - before_late
             engine.continue_generation()
@@ -300,7 +300,7 @@ def test_flush_cache_after_keep_pause(engine):
 
 def test_two_ray_engines_pause_and_resume_concurrently(ray_engines):
     actors, urls = ray_engines
-    sampling = streaming_sampling()
+    sampling = streaming_sampling(max_tokens=GATED_TOKENS)
 
     def pause_all() -> list:
         return ray.get(

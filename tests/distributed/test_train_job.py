@@ -254,8 +254,8 @@ def test_sync_loop_with_virtual_pipeline_stages_over_per_stage_nccl_with_kl_and_
 
 
 def test_failure_after_launch_ends_the_engine_servers(tmp_path, tiny_model_dir):
-    """An error once the engines are up (here: the engine serves one decoder layer of the
-    checkpoint's two, which only the engine can tell, at the pre-send check) must not leave a
+    """An error once the engines are up (here: the engine was started with the other sync
+    shape's receiver, which only the engine can tell, at the pre-send check) must not leave a
     vLLM server behind:
     the job ends the process group of every server it started, and its summary says it
     failed."""
@@ -268,7 +268,8 @@ def test_failure_after_launch_ends_the_engine_servers(tmp_path, tiny_model_dir):
             "tiny_cpu_async.yaml",
             run_dir,
             tiny_model_dir,
-            """engine.extra_args=['--hf-overrides', '{"num_hidden_layers": 1}']""",
+            # The config's transport is shm; a later --weight-transfer-config wins in vLLM.
+            """engine.extra_args=['--weight-transfer-config', '{"backend": "vime_broadcast"}']""",
         ),
         cwd=REPO_ROOT,
         capture_output=True,
