@@ -128,6 +128,10 @@ def bench_delta(args: argparse.Namespace, topology: Any, sync_group: Any) -> dic
                         "full_s": sync_seconds(full),
                         "delta_phases": delta.seconds,
                         "delta_send": delta.send_seconds,
+                        # Both verified: "verify" (engine read-back and compare) here, and the
+                        # sender's digests in the send's "checksum".
+                        "full_phases": full.seconds,
+                        "full_send": full.send_seconds,
                         "engine_stats": delta_engine,  # the delta sync's, on the worker
                         "verified": delta.verified and full.verified,
                     }
