@@ -20,7 +20,6 @@ import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from vime.cluster.addresses import HOST_IP_ENV
-from vime.utils.rendezvous import gloo_group
 from vime.weight_sync.buckets import unpack
 from vime.weight_sync.devices import Communicator, Pending, communicator_class
 from vime.weight_sync.engine.base import BucketEngine, parse_buckets, worker_index
@@ -97,7 +96,8 @@ def connect_store(master_address: str, master_port: int, world_size: int, timeou
     )
 
 
-def join_group(
+def join_communicator(
+    communicator_cls: type[Communicator],
     master_address: str,
     master_port: int,
     *,
@@ -105,19 +105,24 @@ def join_group(
     world_size: int,
     timeout_s: float,
     group_name: str,
-) -> tuple[dist.Store, dist.ProcessGroup]:
-    """(store, group): join the gloo group `group_name` whose TCPStore someone else hosts at
-    `master_address:master_port`. The store must outlive its group."""
-    store = connect_store(master_address, master_port, world_size, timeout_s)
+    device: torch.device,
+) -> tuple[dist.Store, Communicator]:
+    """(the group's store, the communicator): join group `group_name` whose TCPStore someone else
+    hosts at `master_address:master_port`. The store (prefixed by the group's name) must outlive
+    its group; its keys also carry the sender's abort (`wait_for_sender`)."""
+    store = dist.PrefixStore(
+        group_name, connect_store(master_address, master_port, world_size, timeout_s)
+    )
     # Listen on this node's address (set by vime's launcher), not where the hostname points.
-    group = gloo_group(
-        dist.PrefixStore(group_name, store),
+    communicator = communicator_cls.join(
+        store,
         rank=rank,
         world_size=world_size,
         timeout_s=timeout_s,
         address=os.environ.get(HOST_IP_ENV) or None,
+        device=device,
     )
-    return store, group
+    return store, communicator
 
 
 class BroadcastWeightTransferEngine(BucketEngine):
@@ -152,23 +157,17 @@ class BroadcastWeightTransferEngine(BucketEngine):
         old = self._groups.pop(init_info.group_name, None)
         if old is not None:
             old[1].abort()
-        store = connect_store(
+        store, communicator = join_communicator(
+            communicator_cls,
             init_info.master_address,
             init_info.master_port,
-            init_info.world_size,
-            init_info.timeout_s,
-        )
-        # Listen on this node's address (set by vime's launcher), not where the hostname points.
-        communicator = communicator_cls.join(
-            dist.PrefixStore(init_info.group_name, store),
             rank=rank,
             world_size=init_info.world_size,
             timeout_s=init_info.timeout_s,
-            address=os.environ.get(HOST_IP_ENV) or None,
+            group_name=init_info.group_name,
             device=device,
         )
-        prefixed = dist.PrefixStore(init_info.group_name, store)  # keeps `store` alive
-        self._groups[init_info.group_name] = (prefixed, communicator, init_info.timeout_s)
+        self._groups[init_info.group_name] = (store, communicator, init_info.timeout_s)
         logger.info(
             "joined %s group %r as rank %d of %d via %s:%d",
             communicator_cls.name,

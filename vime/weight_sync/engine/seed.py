@@ -16,7 +16,6 @@ generation waits for the send (about one copy of the model over TCP), nothing el
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import time
 from typing import Any
 
@@ -24,27 +23,25 @@ import torch
 import torch.distributed as dist
 
 from vime.weight_sync.buckets import dtype_name, pack, unpack
+from vime.weight_sync.devices import Communicator
+from vime.weight_sync.devices.cpu import GlooCommunicator
 from vime.weight_sync.engine.base import BucketEngine, parse_buckets, worker_index
-from vime.weight_sync.engine.broadcast import join_group
+from vime.weight_sync.engine.broadcast import join_communicator
 
 SEED_GROUP = "vime-seed"
 
 
-def _join(info: dict[str, Any], rank: int) -> tuple[dist.Store, dist.ProcessGroup]:
-    return join_group(
+def _join(info: dict[str, Any], rank: int) -> tuple[dist.Store, Communicator]:
+    return join_communicator(
+        GlooCommunicator,
         info["master_address"],
         int(info["master_port"]),
         rank=rank,
         world_size=int(info["world_size"]),
         timeout_s=float(info["timeout_s"]),
         group_name=SEED_GROUP,
+        device=torch.device("cpu"),
     )
-
-
-def _broadcast(group: dist.ProcessGroup, buffer: torch.Tensor, timeout_s: float) -> None:
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    group.broadcast([buffer], options).wait(datetime.timedelta(seconds=timeout_s))
 
 
 def seed_tensors(engine: BucketEngine, parallel_config: Any) -> dict[str, Any]:
@@ -72,7 +69,7 @@ def send_seed(engine: BucketEngine, parallel_config: Any, info: dict[str, Any]) 
     buffer = torch.empty(max(b.nbytes for b in buckets), dtype=torch.uint8)
     sent = 0
     for bucket in buckets:
-        _broadcast(group, pack(tensors, bucket, buffer), float(info["timeout_s"]))
+        group.broadcast(pack(tensors, bucket, buffer)).wait(float(info["timeout_s"]))
         sent += bucket.nbytes
     return {"bytes": float(sent), "seconds": time.perf_counter() - began}
 
@@ -90,7 +87,7 @@ def receive_seed(worker: Any, info: dict[str, Any]) -> dict[str, float]:
         for bucket in buckets:
             # A buffer per bucket: layerwise reload may keep views until finish.
             buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
-            _broadcast(group, buffer, float(info["timeout_s"]))
+            group.broadcast(buffer).wait(float(info["timeout_s"]))
             engine._receive(bucket, unpack(buffer, bucket))
     except BaseException:
         engine._end_failed_update()
