@@ -116,6 +116,6 @@ class Handles(ABC):
         """Engine side: a read-only uint8 view of the first `nbytes` of the handle's buffer."""
 
     @staticmethod
+    @abstractmethod
     def key(handle: dict[str, Any]) -> str:
         """What identifies the buffer, to keep it open from one sync to the next."""
-        return repr(sorted(handle.items()))
