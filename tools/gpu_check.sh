@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# For a lent single GPU (no vLLM there), in about 5 minutes:
+# On a GPU machine (a lent single GPU without vLLM: parts 1-2, about 5 minutes):
 #  1. the colocated transport with its CUDA IPC plug-in (vime.weight_sync.devices.cuda) into a
 #     receiving process that opens each handle with the engine receiver's own plug-in code
 #     (bit-exact, timed), at two bucket sizes and for a whole Qwen2.5-7B-shaped model (15.2 GB
@@ -7,12 +7,16 @@
 #  2. the gpu test tier: the trainer on the GPU (vime's init_process_group: NCCL, the device of
 #     LOCAL_RANK; batches moved to the model's device) trains like the CPU, and the weights it
 #     gathers go through the same colocated transport bit for bit.
-# Not here, and never run anywhere: the NCCL plug-in (NCCL refuses two ranks of one group on one
-# GPU, and it builds on vLLM's pynccl, which cannot be installed there), and the weight-sync
-# matrix into real vLLM CUDA engines (ipc on 1 GPU, nccl with PP=2 on 3 GPUs): that needs a
-# machine with vLLM's CUDA build, and a harness that starts GPU engines (not written). The CPU
-# suite runs the same transports and receivers with the CPU plug-ins (weight_sync.transport
-# device: cpu).
+#  3. where vLLM's CUDA build is importable: the weight-sync matrix as whole RL jobs into real
+#     vLLM CUDA engines (tools/gpu_matrix.py: ipc on 1 GPU and on 2 GPUs at PP=2; nccl at PP=2
+#     and PP=2 x VPP=2 on 3 GPUs, into a TP=2 engine and into two engines on 4), each case
+#     verified bit for bit by the engines' checksums with delta syncs; cases that need more GPUs
+#     than the machine has are listed as skipped. Without vLLM this part says so and is skipped.
+# Never run on a GPU so far: the lent machines have no vLLM (parts 1 and 2 ran there in an
+# earlier form; part 3 only on CPU: `python tools/gpu_matrix.py --device cpu`). The NCCL plug-in
+# (vime.weight_sync.devices.cuda.NcclCommunicator) builds on vLLM's pynccl, so it runs only in
+# part 3. The CPU suite runs the same transports and receivers with the CPU plug-ins
+# (weight_sync.transport device: cpu).
 # Needs torch with CUDA, megatron-core, pydantic, pyyaml, safetensors, transformers, pytest.
 # PYTHON picks the interpreter (default python3).
 set -euo pipefail
@@ -27,6 +31,11 @@ timeout 120 "$py" -m vime.weight_sync.ipc_check --mib 4096 --repeats 3 || failed
 timeout 240 "$py" -m vime.weight_sync.ipc_check --shape qwen2.5-7b --mib 512 --repeats 2 ||
   failed+=(ipc-7b)
 timeout 240 "$py" -m pytest -q -m gpu tests/gpu -p no:cacheprovider || failed+=(gpu-tests)
+if "$py" -c "import vllm" 2>/dev/null; then
+  timeout 3600 "$py" tools/gpu_matrix.py --device cuda || failed+=(gpu-matrix)
+else
+  echo "gpu_check: no vLLM in $py: the weight-sync matrix into vLLM CUDA engines is SKIPPED"
+fi
 if ((${#failed[@]})); then
   echo "gpu_check FAILED: ${failed[*]}"
   exit 1

@@ -202,20 +202,23 @@ def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny
     assert (run_dir / "checkpoints" / f"step_{num_steps}" / "metadata.json").is_file()
 
 
-def test_sync_loop_with_virtual_pipeline_stages_over_per_stage_nccl_with_kl_and_rollouts(
-    tmp_path, model_builder
+@pytest.mark.parametrize(("kind", "num_engines"), [("nccl", 1), ("ipc", 2)])
+def test_sync_loop_with_virtual_pipeline_stages_with_kl_and_rollouts(
+    tmp_path, model_builder, kind, num_engines
 ):
     """Two trainer ranks, two pipeline stages of two virtual stages each (a four-layer model:
     rank 0 holds layers 0 and 2, rank 1 layers 1 and 3): megatron's interleaved 1F1B schedule
-    trains (the KL reference through it too), each stage syncs its chunks' layers into the
-    engine over its own group of the nccl transport (its CPU plug-in, `device: cpu`: the code a
-    GPU job runs above NCCL) with delta syncs, bit-exact by the engine's checksums, and the
-    checkpoint at the end holds every chunk."""
+    trains (the KL reference through it too), each stage syncs its chunks' layers with delta
+    syncs, bit-exact by the engines' checksums, and the checkpoint at the end holds every chunk.
+    nccl: each stage over its own broadcast group into one engine; ipc: each stage's sender posts
+    its buckets' handles to two colocated engines. Both with their CPU plug-ins (`device: cpu`):
+    the code a GPU job runs above NCCL and CUDA IPC."""
     run_dir, rows = run_job(
         "tiny_cpu_async_gloo.yaml",
         tmp_path,
         model_builder("qwen2-tiny-4layer"),
-        "weight_sync.transport={kind: nccl, device: cpu, delta: true}",
+        f"weight_sync.transport={{kind: {kind}, device: cpu, delta: true}}",
+        f"engine.num_engines={num_engines}",
         "trainer.pipeline_parallel_size=2",
         "trainer.virtual_pipeline_parallel_size=2",
         "weight_sync.verify_checksums=true",

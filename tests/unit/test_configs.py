@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,43 @@ def test_a_single_local_engine_leaves_its_last_core_to_the_trainer():
     assert spare_core([0, 1, 2, 3], 0, 1) is None  # external engines
     assert spare_core([0, 1], 1, 2) is None  # a TP=2 engine needs both cores
     assert spare_core([0, 1, 2], 1, 2) == 2
+
+
+def _gpu_matrix():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "gpu_matrix.py"
+    spec = importlib.util.spec_from_file_location("gpu_matrix", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("gpu_matrix", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_gpu_matrix_cases_are_valid_jobs_whose_placement_is_accepted(device, tmp_path):
+    """tools/gpu_matrix.py's cases load as job configs, and on their GPUs (trainer rank r on GPU
+    r, engines on engine.device_ids) pass the placement rules a sync checks before any byte."""
+    from vime.weight_sync.placement import RankPlace, check_broadcast_placement, plan_holders
+
+    matrix = _gpu_matrix()
+    assert {case.kind for case in matrix.CASES} == {"ipc", "nccl"}
+    for case in matrix.CASES:
+        config = load_config(TrainConfig, CONFIGS[0], matrix.overrides(case, device, tmp_path))
+        transport = config.weight_sync.transport
+        assert (transport.kind, transport.device, transport.delta) == (case.kind, device, True)
+        assert config.engine.num_engines == len(case.device_ids)
+        if device == "cpu":
+            assert config.engine.device_ids is None
+            continue
+        assert config.engine.device_ids == list(case.device_ids)
+        pp, tp = config.trainer.pipeline_parallel_size, config.trainer.tensor_parallel_size
+        assert pp * tp == case.nproc, case.name
+        ranks = [RankPlace(r, r // tp, r % tp == 0, f"gpu-{r}") for r in range(case.nproc)]
+        workers = [[f"gpu-{i}" for i in ids.split(",")] for ids in case.device_ids]
+        assert [len(w) for w in workers] == [config.engine.tensor_parallel_size] * len(workers)
+        if case.kind == "nccl":
+            check_broadcast_placement([r for r in ranks if r.is_sender], workers)
+        else:
+            holders = plan_holders(ranks, workers)
+            assert set(holders) == set(range(pp)), case.name
