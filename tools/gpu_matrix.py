@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.list:
         for case in CASES:
-            print(f"{case.name:24s} {case.gpus} GPUs  {' '.join(overrides(case, 'cuda', Path('RUN')))}")
+            items = " ".join(overrides(case, "cuda", Path("RUN")))
+            print(f"{case.name:24s} {case.gpus} GPUs  {items}")
         return 0
     names = args.cases.split(",") if args.cases else [case.name for case in CASES]
     unknown = set(names) - {case.name for case in CASES}
@@ -200,13 +201,17 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for case in (case for case in CASES if case.name in names):
         if available is not None and case.gpus > available:
-            results.append({"case": case.name, "skipped": f"needs {case.gpus} GPUs, {available} here"})
+            results.append(
+                {"case": case.name, "skipped": f"needs {case.gpus} GPUs, {available} here"}
+            )
         else:
             results.append(run_case(case, args.device, work, args.timeout))
         print(json.dumps(results[-1]), flush=True)
     failed = [result["case"] for result in results if result.get("ok") is False]
-    print(f"gpu_matrix ({args.device}): {len(results) - len(failed)} of {len(results)} cases ok "
-          f"or skipped" + (f"; FAILED: {failed}" if failed else ""))
+    print(
+        f"gpu_matrix ({args.device}): {len(results) - len(failed)} of {len(results)} cases ok "
+        f"or skipped" + (f"; FAILED: {failed}" if failed else "")
+    )
     return 1 if failed else 0
 
 

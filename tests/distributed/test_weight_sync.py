@@ -432,6 +432,8 @@ def test_failed_send_leaves_engines_serving(tp1_run, hf, checkpoint):
     assert engine["is_paused"] is False
     assert engine["weight_version"] == "2-failed"
     assert len(engine["greedy"]) == GREEDY_TOKENS
+    # After the failed update's end, the digests taken at load still describe the kernels.
+    assert engine["loaded_checksums"] == engine["checksums"]
     # The next sync with the same updater repairs the engine.
     assert_synced(records[4], exported[4], hf, checkpoint)
 
@@ -456,6 +458,7 @@ def test_gpu_kinds_fail_like_the_cpu_ones_and_the_next_sync_repairs(
     assert engine["is_paused"] is False
     assert engine["weight_version"] in (f"{version}-failed", previous), engine["weight_version"]
     assert len(engine["greedy"]) == GREEDY_TOKENS
+    assert engine["loaded_checksums"] == engine["checksums"]
     assert_synced(records[after], exported[after], hf, checkpoint)
 
 

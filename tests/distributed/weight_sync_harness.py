@@ -353,6 +353,10 @@ def _record_engines(rank: int, record: dict, engines, out_dir: Path, index: int)
             # Per worker: its metadata (dtype, whole shape, slice held) and its parts' digests.
             "metadata": engine.collective_rpc("vime_weight_metadata"),
             "checksums": engine.collective_rpc("vime_weight_checksums"),
+            # The updater's own check (verify_source: loaded): the digests taken at load.
+            "loaded_checksums": engine.collective_rpc(
+                "vime_weight_checksums", kwargs={"source": "loaded"}
+            ),
             "greedy": completions_greedy(engine.url, PROMPT_IDS),
             "weight_version": engine.get_weight_version(),
             "is_paused": engine.is_paused(),
@@ -455,6 +459,8 @@ def assert_synced(record: dict, exported: dict, hf: HFReference, checkpoint: dic
     for engine in record["engines"]:
         differ = served_differences(engine, exported)
         assert not differ, f"{engine['url']} serves tensors unlike the trainer's: {differ}"
+        # What the kernels serve (read back through them) is what was recorded at their load.
+        assert engine["loaded_checksums"] == engine["checksums"], engine["url"]
         assert engine["greedy"] == reference_tokens, engine["url"]
         assert engine["weight_version"] == str(step.version)
         assert engine["is_paused"] is False

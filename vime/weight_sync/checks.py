@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vime.config.weight_sync import WeightSyncConfig
 from vime.megatron.gather import HFWeightMeta
 from vime.weight_sync.buckets import (
     ROUNDING_CASTS,
@@ -139,14 +140,17 @@ def verify_engines(
     engine_layouts: list[list[WorkerLayout]],
     sent: dict[str, dict[Served, str]],
     version: int,
-    timeout_s: float,
+    config: WeightSyncConfig,
 ) -> None:
     """Every engine worker's digest of its part of each tensor this sender sent must equal
-    the trainer's digest of the same slice."""
+    the trainer's digest of the same slice (the engines' digests from `config.verify_source`,
+    each engine's answer within `config.transfer_timeout_s`)."""
 
     def compare(engine: Any) -> None:
         layouts = engine_layouts[list(engines).index(engine)]
-        for worker, served in enumerate(engine.collective_rpc("vime_weight_checksums")):
+        for worker, served in enumerate(
+            engine.collective_rpc("vime_weight_checksums", kwargs={"source": config.verify_source})
+        ):
             layout = layouts[worker]
             differ = sorted(
                 name if layout[name][1] is None else f"{name} ({layout[name][1]})"
@@ -159,7 +163,7 @@ def verify_engines(
                     f"trainer's after weight version {version}: {differ[:10]}"
                 )
 
-    call_engines(engines, "verify", compare, timeout_s=timeout_s)
+    call_engines(engines, "verify", compare, timeout_s=config.transfer_timeout_s)
     logger.debug("verified %d tensors on %d engines", len(sent), len(engines))
 
 

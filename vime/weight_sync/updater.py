@@ -395,6 +395,4 @@ class WeightUpdater:
         return seconds
 
     def _verify(self, sent: dict[str, dict[Served, str]], version: int) -> None:
-        verify_engines(
-            self.engines, self.engine_layouts, sent, version, self.config.transfer_timeout_s
-        )
+        verify_engines(self.engines, self.engine_layouts, sent, version, self.config)

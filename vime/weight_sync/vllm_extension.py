@@ -44,7 +44,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vime.weight_sync.buckets import dtype_name, tensor_digest
 from vime.weight_sync.engine.broadcast import BroadcastWeightTransferEngine
 from vime.weight_sync.engine.colocated import ColocatedWeightTransferEngine
-from vime.weight_sync.engine.readback import served_shards
+from vime.weight_sync.engine.readback import record_load_digests, served_shards
 from vime.weight_sync.engine.seed import receive_seed, seed_tensors, send_seed
 from vime.weight_sync.names import BROADCAST_BACKEND, COLOCATED_BACKEND
 
@@ -110,10 +110,20 @@ class VimeWorkerExtension:
         is JSON)."""
         return receive_seed(self, json.loads(info))
 
-    def vime_weight_checksums(self) -> dict[str, str]:
-        """{HF name: XXH3-128 hex of this worker's part's bytes} for every weight it serves."""
+    def vime_weight_checksums(self, source: str = "served") -> dict[str, str]:
+        """{HF name: XXH3-128 hex of this worker's part's bytes} for every weight it serves.
+
+        source "served": every weight read back as served (repacked CPU linear weights through
+        their kernels); "loaded": those taken as their layer was last loaded, just before the
+        repack (`engine.readback.record_load_digests`; the rest read as served).
+        """
+        if source not in ("served", "loaded"):
+            raise ValueError(f"source must be 'served' or 'loaded', got {source!r}")
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        return {served.name: tensor_digest(served.tensor) for served in served_shards(model)}
+        return {
+            served.name: served.digest or tensor_digest(served.tensor)
+            for served in served_shards(model, loaded_digests=source == "loaded")
+        }
 
 
 def register_backends() -> None:
@@ -127,3 +137,4 @@ def register_backends() -> None:
 
 
 register_backends()
+record_load_digests()
