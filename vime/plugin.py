@@ -299,7 +299,7 @@ class WeightSync:
     Built (collectively) on every trainer rank from the rank's model chunks and the HF checkpoint
     or config directory the engines serve: the architecture's converter maps Megatron names and
     layouts (fused QKV, [gate; up], vocab padding, experts) to HF ones; a tensor it cannot map is
-    an error before any byte moves, listing every such name. `update_weights()` runs the seed's
+    an error before any byte moves, listing every such name. `update_weights()` runs one sync
     session: rank 0 pauses every engine (keep) and flushes caches, each pipeline stage gathers and
     sends in its turn, rank 0 finishes with the new weight version and resumes; in-flight requests
     continue on the new weights.

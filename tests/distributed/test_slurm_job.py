@@ -6,6 +6,7 @@ binds to and talks over those loopback addresses only. The engine on the other n
 (EngineCore SIGKILLed after the first step) and, with fault tolerance, is restarted there, synced
 (checksums) and serves again: the faults tier's engine on another node. A second engine joins
 on vime-n2 while the job runs, seeded engine to engine (the elastic fleet across nodes).
+vime-n2's first `ray start` fails (as when GCS cannot find a new node) and is retried.
 """
 
 from __future__ import annotations
@@ -61,6 +62,19 @@ def test_two_node_slurm_job_trains_on_one_node_and_serves_on_the_other(
     run_dir = tmp_path / "run"
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
+    # vime-n2's first `ray start` fails the way a node that GCS cannot find does; the job's
+    # steps find this `ray` first on their PATH, and it runs the real one from then on.
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "ray").write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [ "$1" = start ] && [ "$SLURMD_NODENAME" = vime-n2 ] && mkdir "{tmp_path}/failed"'
+        " 2>/dev/null; then\n"
+        '  echo "Exception: The current node timed out during startup (injected)" >&2; exit 1\n'
+        "fi\n"
+        f'exec "{Path(sys.executable).parent / "ray"}" "$@"\n'
+    )
+    (shim / "ray").chmod(0o755)
     ray_port = free_port("127.0.0.2")
     rendered = subprocess.run(
         [
@@ -90,6 +104,7 @@ def test_two_node_slurm_job_trains_on_one_node_and_serves_on_the_other(
             f"cluster.slurm.script_dir={tmp_path}",
             f"cluster.slurm.ray_port={ray_port}",
             f"cluster.slurm.rdzv_port={free_port('127.0.0.2')}",
+            f'cluster.slurm.setup=["source .venv/bin/activate", "export PATH={shim}:$PATH"]',
         ],
         cwd=REPO_ROOT,
         env=slurm,
@@ -143,6 +158,11 @@ def test_two_node_slurm_job_trains_on_one_node_and_serves_on_the_other(
     engine = engines[0]
     assert re.search(r"vime-n1 \(127\.0\.0\.2\): torchrun .*--nnodes=1", trainer_log.read_text())
     assert "every node joined Ray: vime-n1,vime-n2" in logs
+    # vime-n2's Ray started on its second attempt, in a temp dir of its own.
+    ray_n2 = (job_logs / "ray-vime-n2.log").read_text()
+    assert "timed out during startup (injected)" in ray_n2
+    assert "ray start failed before the node started (exit status 1); retrying" in ray_n2
+    assert f"--temp-dir=/tmp/vime-ray-{job_id}-vime-n2" in ray_n2 and "attempt 2/3" in ray_n2
 
     # Every sync reached the engine on the other node, checked by checksums.
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -175,7 +195,8 @@ def test_two_node_slurm_job_trains_on_one_node_and_serves_on_the_other(
         left = processes_of_job(job_id)
     assert not left, f"processes of job {job_id} still running: {left}"
     assert set(Path("/dev/shm").iterdir()) - shm_before == set()
-    assert not Path(f"/tmp/vime-ray-{job_id}").exists(), "the job's Ray temp dir is left"
+    for node in NODE_ADDRESSES:
+        assert not Path(f"/tmp/vime-ray-{job_id}-{node}").exists(), f"{node}'s Ray temp dir is left"
     state = subprocess.run(
         ["scontrol", "show", "job", job_id], env=slurm, capture_output=True, text=True, timeout=30
     ).stdout

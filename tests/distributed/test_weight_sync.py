@@ -361,7 +361,7 @@ def test_request_in_flight_continues_on_new_weights(tp1_run, index):
 
 
 def test_clear_cache_switch_continues_like_a_fresh_model(tp1_run, hf):
-    """The seed's validation (keep pause mid-request, clear_cache=True, sync, resume)."""
+    """A weight switch mid-request: keep pause, clear_cache=True, sync, resume."""
     records, exported = tp1_run
     assert_continues_like_a_fresh_model(records[5], exported[5], hf)
 

@@ -146,7 +146,7 @@ def test_placements_that_cannot_work_are_refused_before_any_byte(trainer_tp1_run
 
 
 def test_clear_cache_switch_on_tp2_engine_continues_like_a_fresh_model(trainer_tp1_run, hf):
-    """The seed's validation on a TP=2 engine: a keep pause mid-generation with
+    """A weight switch mid-request on a TP=2 engine: a keep pause mid-generation with
     clear_cache=True, a sync, resume; the request's tokens after the switch are what the new
     weights generate from prompt + the tokens before it."""
     records, exported = trainer_tp1_run

@@ -32,7 +32,7 @@ from vime.testing.hf import hf_greedy
 from vime.weight_sync.devices.base import TRAINER_DEVICE_ENV
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=90)
-SEED_CHECK_TOKENS = 48  # continuation tokens compared with HF after a clear_cache switch
+SWITCH_CHECK_TOKENS = 48  # continuation tokens compared with HF after a clear_cache switch
 GREEDY_TOKENS = 12
 PROMPT_IDS = (11, 22, 33, 44, 55)
 INFLIGHT_TOKENS = 2000  # the most max_model_len 2048 allows: the pause lands mid-request
@@ -505,16 +505,17 @@ def running_engines(specs: dict[str, dict], log_dir: str):
 
 
 def assert_continues_like_a_fresh_model(record: dict, exported: dict, hf: HFReference) -> None:
-    """The seed's validation: after a keep pause with clear_cache=True the request re-prefills,
-    so its tokens after the switch are what the new weights generate from prompt + old tokens."""
+    """A weight switch mid-request: after a keep pause with clear_cache=True the request
+    re-prefills, so its tokens after the switch are what the new weights generate from prompt +
+    old tokens."""
     assert record["report"].prefix_cache_flushed is True
     version = str(record["step"].version)
     tokens = record["inflight"]["token_ids"]
     versions = record["inflight"]["weight_versions"]
     switch = versions.index(version)
-    assert 0 < switch < len(tokens) - SEED_CHECK_TOKENS, (switch, len(tokens))
+    assert 0 < switch < len(tokens) - SWITCH_CHECK_TOKENS, (switch, len(tokens))
     assert set(versions[switch:]) == {version}
     assert record["inflight"]["finish_reason"] == "length"
     model = hf.load(exported)
-    expected = hf_greedy(model, [*PROMPT_IDS, *tokens[:switch]], SEED_CHECK_TOKENS)
-    assert tokens[switch : switch + SEED_CHECK_TOKENS] == expected
+    expected = hf_greedy(model, [*PROMPT_IDS, *tokens[:switch]], SWITCH_CHECK_TOKENS)
+    assert tokens[switch : switch + SWITCH_CHECK_TOKENS] == expected

@@ -183,3 +183,33 @@ def test_job_identity_and_engine_bundle(monkeypatch):
     assert engine_bundle(
         ClusterConfig(engine_num_cpus=0, engine_num_gpus=4, engine_resource=None)
     ) == {"GPU": 4.0}
+
+
+def test_a_ray_start_that_fails_before_the_node_started_is_retried(tmp_path, capsys):
+    """`vime.cluster.node ray`: a start that ends before Ray reports it started is tried again
+    (a fresh command line each time), up to the attempts given; one that started and then
+    failed is not; the exit status is the last attempt's."""
+    from vime.cluster.node import RAY_STARTED, run_ray
+
+    count = tmp_path / "count"
+
+    def script(body: str):
+        def make_argv() -> list[str]:
+            return ["bash", "-c", f'echo x >> "{count}"; n=$(wc -l < "{count}"); {body}']
+
+        return make_argv
+
+    # Fails twice without starting, then starts and blocks until it ends by itself.
+    status = run_ray(script(f'[ "$n" -ge 3 ] && echo "{RAY_STARTED}" && exit 0; exit 7'), 3, 0)
+    out = capsys.readouterr().out
+    assert status == 0 and count.read_text().count("x") == 3
+    assert out.count("ray start failed before the node started (exit status 7)") == 2
+    assert "attempt 3/3" in out and RAY_STARTED in out
+    count.unlink()
+    # Never starts: gives up after the attempts, with the last status.
+    assert run_ray(script("exit 5"), 2, 0) == 5 and count.read_text().count("x") == 2
+    assert "ray start failed 2 times; giving up" in capsys.readouterr().out
+    count.unlink()
+    # Started, then died: not a start-up failure, not retried.
+    assert run_ray(script(f'echo "{RAY_STARTED}"; exit 9'), 3, 0) == 9
+    assert count.read_text().count("x") == 1

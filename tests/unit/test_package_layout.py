@@ -159,3 +159,24 @@ def test_every_third_party_import_is_an_install_requirement():
     assert missing == {}, f"imported but not in install_requires: {missing}"
     for dev_only in ("pytest", "ruff", "mypy"):
         assert dev_only not in required
+
+
+def test_every_entry_point_is_listed_by_vime_help():
+    """A module with a `main()` is a `vime` command or an internal entry point `vime --help`
+    names; every command takes its arguments from the `vime` command line."""
+    import inspect
+
+    from vime.cli import COMMANDS, INTERNAL, usage
+
+    with_main = {
+        name
+        for name, path in _modules().items()
+        if re.search(r"^def main\(", path.read_text(), re.MULTILINE)
+    } - {"vime.cli"}
+    listed = {module for module, _ in COMMANDS.values()} | set(INTERNAL)
+    assert with_main == listed
+    for module_name, _ in COMMANDS.values():
+        main = importlib.import_module(module_name).main
+        assert list(inspect.signature(main).parameters) == ["argv"], module_name
+    text = usage()
+    assert all(name in text for name in [*COMMANDS, *INTERNAL])

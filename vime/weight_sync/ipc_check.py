@@ -182,7 +182,7 @@ def run_check(num_mib: int, repeats: int, shape: str | None = None) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=256, help="approximate bucket size in MiB")
     parser.add_argument("--repeats", type=int, default=5)
@@ -191,7 +191,7 @@ def main() -> None:
         choices=["qwen2.5-7b"],
         help="send a whole model's tensors (random bf16) in --mib buckets instead of 3 tensors",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     report = run_check(args.mib, args.repeats, args.shape)
     print(json.dumps(report, indent=2))
     if not report["all_bit_exact"]:

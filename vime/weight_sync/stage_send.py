@@ -4,12 +4,15 @@ In its own stage's turn a rank takes part in the stage's gather; the stage's sen
 the buckets to its transport, in one of three modes: "dense" (no delta), "full" (a full sync the
 delta encoder remembers) or "delta" (only what changed, then a commit). A holder rank of a
 colocated transport receives the stage's buckets for its device after its own gathers. With
-verification the sender digests each distinct slice an engine worker serves of what it sent.
+verification the sender digests each distinct slice an engine worker serves of what it sent, on
+a thread of its own while the buckets travel (the hash and torch's copies release the GIL), and
+waits for those digests before its stage's turn ends.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -65,6 +68,7 @@ class StageSend:
         self.timeout = timeout
         self.timer = timer
         self.sent: dict[str, dict[Served, str]] = {}  # name -> {(served dtype, slice): digest}
+        self._digests: list[tuple[str, Future[dict[Served, str]]]] = []
         self.num_buckets = 0
         self.num_bytes = 0
         self.delta_stats: DeltaStats | None = None
@@ -96,21 +100,35 @@ class StageSend:
             for _ in gathered:  # takes part in the stage's gathers; yields nothing here
                 pass
             return
+        hasher = ThreadPoolExecutor(1, thread_name_prefix="vime-digest")
+        try:
+            self._send(gathered, hasher)
+            with self.timer.phase("checksum"):  # what the transfer did not hide
+                for name, future in self._digests:
+                    self.sent[name] = future.result()
+        finally:
+            # No digest outlives its send: a failed one still waits for the thread to end.
+            hasher.shutdown(wait=True, cancel_futures=True)
+            self._digests = []
+
+    def _send(self, gathered: Iterator[tuple[str, torch.Tensor]], hasher: ThreadPoolExecutor):
+        transport = self.transport
+        assert transport is not None
         calls = [e.update_weights for e in self.engines]
         if self.mode == "delta":
             tensors = dict(gathered)
-            self._record(tensors)
+            self._record(tensors, hasher)
             with self.timer.phase("delta"):
                 buckets, entries, self.delta_stats = self.delta.buckets(
-                    tensors, self.bucket_bytes, self.transport.alignment
+                    tensors, self.bucket_bytes, transport.alignment
                 )
             with self.timer.phase("transport"):
-                self.transport.send_buckets(buckets, self._filler(entries), calls)
+                transport.send_buckets(buckets, self._filler(entries), calls)
             return
 
         def fill(bucket: Bucket, buffer: torch.Tensor) -> None:
             tensors = dict(take_bucket_tensors(gathered, bucket))
-            self._record(tensors)
+            self._record(tensors, hasher)
             if self.mode == "full":
                 for name, tensor in tensors.items():
                     self.delta.remember(name, tensor)
@@ -120,7 +138,7 @@ class StageSend:
         if self.mode != "dense":
             buckets = [replace(b, mode=self.mode) for b in buckets]
         with self.timer.phase("transport"):
-            self.transport.send_buckets(buckets, fill, calls)
+            transport.send_buckets(buckets, fill, calls)
         leftover = [name for name, _ in gathered]
         assert not leftover, f"gathered tensors missing from the bucket plan: {leftover}"
 
@@ -131,15 +149,18 @@ class StageSend:
             dtype = self.casts.get(name)
             yield name, tensor if dtype is None else tensor.to(dtype)
 
-    def _record(self, tensors: dict[str, torch.Tensor]) -> None:
+    def _record(self, tensors: dict[str, torch.Tensor], hasher: ThreadPoolExecutor) -> None:
         """With verification: each distinct (dtype, slice) some engine worker serves of each
-        tensor, digested once."""
+        tensor, digested once, on `hasher`'s thread (nothing writes the gathered tensors)."""
         if self.engine_layouts is None:
             return
-        with self.timer.phase("checksum"):
-            for name, tensor in tensors.items():
-                targets = {layout[name] for workers in self.engine_layouts for layout in workers}
-                self.sent[name] = {target: digest(tensor, *target) for target in targets}
+        for name, tensor in tensors.items():
+            targets = {layout[name] for workers in self.engine_layouts for layout in workers}
+
+            def digests(tensor: torch.Tensor = tensor, targets: set = targets) -> dict:
+                return {target: digest(tensor, *target) for target in targets}
+
+            self._digests.append((name, hasher.submit(digests)))
 
     def _filler(self, tensors: dict[str, torch.Tensor]) -> Callable[[Bucket, torch.Tensor], None]:
         def fill(bucket: Bucket, buffer: torch.Tensor) -> None:
