@@ -114,13 +114,21 @@ def test_step_line_counts_steps_and_estimates_the_rest(caplog):
     assert caplog.messages == []  # ranks without a writer log nothing
 
 
-def test_trainer_tensor_parallelism_must_split_the_checkpoints_heads(tmp_path, capsys):
-    """SmolLM2-135M's shape: 9 attention heads, 3 KV heads. TP=2 is refused before anything
-    starts, naming the field, the rule and the sizes that fit; TP=3 passes the check."""
+def test_trainer_parallelism_must_split_the_checkpoints_heads_and_layers(tmp_path, capsys):
+    """SmolLM2-135M's shape: 9 attention heads, 3 KV heads, 30 layers. TP=2 and PP=2 x VPP=2
+    are refused before anything starts, naming the field, the rule and the sizes that fit;
+    TP=3 and PP=2 x VPP=3 pass the check."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(
-        json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3, "model_type": "llama"})
+        json.dumps(
+            {
+                "num_attention_heads": 9,
+                "num_key_value_heads": 3,
+                "num_hidden_layers": 30,
+                "model_type": "llama",
+            }
+        )
     )
     base = [str(MAIN), f"engine.model_path={model}", "model.preset=null"]
     err = _exit_2(tmp_path, capsys, *base, "trainer.tensor_parallel_size=2")
@@ -128,6 +136,12 @@ def test_trainer_tensor_parallelism_must_split_the_checkpoints_heads(tmp_path, c
     assert "use one of [1, 3]" in err
     config = load_config(TrainConfig, MAIN, [*base[1:], "trainer.tensor_parallel_size=3"])
     preflight(config)
+    pp = ["trainer.pipeline_parallel_size=2", "trainer.virtual_pipeline_parallel_size=2"]
+    err = _exit_2(tmp_path, capsys, *base, *pp)
+    assert "4 stages do not divide the model's 30 decoder layers" in err
+    assert "(2, 3)" in err and "(3, 2)" in err
+    pp[1] = "trainer.virtual_pipeline_parallel_size=3"
+    preflight(load_config(TrainConfig, MAIN, [*base[1:], *pp]))
 
 
 def test_a_model_is_built_from_one_source_and_a_pretrained_one_must_be_known(tmp_path, capsys):

@@ -61,8 +61,9 @@ def check_checkpoint(config: TrainConfig) -> None:
 
 
 def check_tensor_parallel(config: TrainConfig) -> None:
-    """The trainer's tensor parallelism must split the checkpoint's heads (megatron's rule)."""
-    from vime.megatron.model import check_heads_split
+    """The trainer's tensor parallelism must split the checkpoint's heads, its pipeline stages
+    (virtual ones too) the decoder layers (megatron's rules)."""
+    from vime.megatron.model import check_heads_split, check_layers_split
 
     path = Path(config.engine.model_path) / "config.json"
     if not path.is_file():  # built by the job: build_gpt_chunks checks the same rule
@@ -73,6 +74,10 @@ def check_tensor_parallel(config: TrainConfig) -> None:
         kv_heads = hf.get("num_key_value_heads") or heads
         tp = config.trainer.tensor_parallel_size
         check_heads_split(heads, kv_heads, tp, "trainer.tensor_parallel_size")
+    layers = hf.get("num_hidden_layers")
+    pp, vp = config.trainer.pipeline_parallel_size, config.trainer.virtual_pipeline_parallel_size
+    if isinstance(layers, int) and pp > 1:
+        check_layers_split(layers, pp, vp, "trainer")
 
 
 def preflight(config: TrainConfig) -> TrainConfig:

@@ -181,6 +181,26 @@ def check_heads_split(num_heads: int, num_kv_heads: int, tp_size: int, field: st
         )
 
 
+def check_layers_split(num_layers: int, pp_size: int, vp_size: int | None, field: str) -> None:
+    """Megatron gives every (virtual) pipeline stage the same number of decoder layers:
+    `pp_size * vp_size` must divide `num_layers`. ValueError naming `field`, the rule and the
+    sizes that would work."""
+    chunks = pp_size * (vp_size or 1)
+    if num_layers % chunks:
+        fits = [
+            (pp, vp)
+            for pp in range(2, num_layers + 1)
+            for vp in (1, 2, 3, 4)
+            if not num_layers % (pp * vp)
+        ][:8]
+        raise ValueError(
+            f"{field}: pipeline_parallel_size={pp_size} x virtual_pipeline_parallel_size="
+            f"{vp_size or 1} = {chunks} stages do not divide the model's {num_layers} decoder "
+            "layers (megatron gives every virtual pipeline stage the same number): use one of "
+            f"(pp, vpp) = {fits}"
+        )
+
+
 def build_gpt_chunks(
     converter: DecoderConverter,
     topology: Topology,
