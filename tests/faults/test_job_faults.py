@@ -16,7 +16,7 @@ from job_harness import BackgroundJob
 
 pytestmark = pytest.mark.faults
 
-GONE_WITHIN_S = 10.0  # issue 11: a SIGKILL anywhere ends the whole job within 10 s
+GONE_WITHIN_S = 10.0  # a SIGKILL anywhere ends the whole job within 10 s
 
 
 @pytest.fixture

@@ -189,34 +189,56 @@ def test_repack_probe_repacks_the_weights_vllm_repacks(monkeypatch):
     assert len(untied) == 3  # the head, not the embedding
 
 
-def test_delta_table_reads_the_committed_figures():
-    """`vime bench-sync --delta`'s table from the JSON docs/benchmarks.md quotes."""
-    import json
-    from pathlib import Path
-
+def test_delta_table_gives_medians_per_lr():
+    """`vime bench-sync --delta`'s table: one row per lr, medians over its steps, n stated."""
     from vime.bench.delta import format_delta
 
-    path = Path(__file__).resolve().parents[2] / "docs" / "bench" / "bench_delta.json"
-    figures = json.loads(path.read_text())
-    table = format_delta(figures).splitlines()
-    assert len(table) == 3 + len(figures["runs"])
-    for run, row in zip(figures["runs"], table[3:], strict=True):
-        assert row.startswith(f"| {run['lr']:g} | {len(run['steps'])} | ")
-        assert all(step["verified"] for step in run["steps"])
-        assert all(step["delta_bytes"] < step["full_bytes"] for step in run["steps"])
+    def step(changed: float, delta_s: float, load: float) -> dict:
+        return dict(
+            changed_fraction=changed,
+            delta_bytes=changed * 1e8,
+            full_bytes=1e8,
+            delta_s=delta_s,
+            full_s=0.5,
+            engine_stats={"load": load},
+        )
+
+    figures = {
+        "preset": "p",
+        "dtype": "bfloat16",
+        "transport": "shm",
+        "runs": [
+            {"lr": 1e-6, "steps": [step(0.01, 0.2, 0.1), step(0.03, 0.4, 0.3), step(0.02, 9, 9)]},
+            {"lr": 1e-5, "steps": [step(0.5, 1.0, 0.7)]},
+        ],
+    }
+    header, _, _, first, second = format_delta(figures).splitlines()
+    assert "p bfloat16 over shm" in header
+    assert first == "| 1e-06 | 3 | 2.0000% | 2.0 MB | 100.0 MB | 0.400 | 0.500 | 0.300 |"
+    assert second == "| 1e-05 | 1 | 50.0000% | 50.0 MB | 100.0 MB | 1.000 | 0.500 | 0.700 |"
 
 
-def test_seed_table_reads_the_committed_figures():
-    """`vime bench-sync --seed`'s table from the JSON docs/benchmarks.md quotes."""
-    import json
-    from pathlib import Path
-
+def test_seed_table_gives_medians_of_the_join_steps():
+    """`vime bench-sync --seed`'s table: the trainer's full sync against the engine's seed
+    and the delta after it, medians of n steps."""
     from vime.bench.seed import format_seed
 
-    path = Path(__file__).resolve().parents[2] / "docs" / "bench" / "bench_seed.json"
-    figures = json.loads(path.read_text())
-    table = format_seed(figures).splitlines()
-    assert f"medians of {len(figures['steps'])} steps" in table[0] and len(table) == 6
-    assert all(step["verified"] for step in figures["steps"])
-    assert all(step["seed_bytes"] == step["full_bytes"] for step in figures["steps"])
-    assert all(step["delta_bytes"] < 0.1 * step["full_bytes"] for step in figures["steps"])
+    def step(scale: float) -> dict:
+        return dict(
+            changed_fraction=0.01 * scale,
+            full_s=1.0 * scale,
+            full_bytes=2e8,
+            seed_s=0.3 * scale,
+            seed_send_s=0.1 * scale,
+            seed_bytes=2e8,
+            delta_s=0.2 * scale,
+            delta_bytes=4e6,
+        )
+
+    figures = {"preset": "p", "dtype": "bfloat16", "transport": "shm", "lr": 1e-6}
+    table = format_seed({**figures, "steps": [step(1), step(2), step(30)]}).splitlines()
+    assert "medians of 3 steps" in table[0] and "2.00% of elements changed" in table[0]
+    assert table[3] == "| trainer | full sync, both engines paused | 2.000 | 200.0 MB |"
+    assert table[4].startswith("| engine | seed (engine to engine, checksums compared) | 0.600 ")
+    assert "sends for 0.200; 200.0 MB) | 0 |" in table[4]
+    assert table[5].endswith("| 0.400 | 4.0 MB |")

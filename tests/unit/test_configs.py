@@ -32,7 +32,8 @@ def test_engine_backend_is_the_transports_and_unknown_keys_name_themselves():
     path = CONFIGS[0]
     with pytest.raises(ValueError, match="weight_sync.transport .here 'shm'. sets the engines"):
         load_config(TrainConfig, path, ["engine.weight_transfer_backend=shm"])
-    for key in ("weight_sync.mode", "engine.pause_mode", "engine.flush_cache_timeout_s"):
+    # A misspelt or unknown key anywhere in the tree is refused by its dotted name.
+    for key in ("weight_sync.verify_checksum", "engine.num_engine", "rollout.top_pp"):
         with pytest.raises(ValueError, match=rf"{re.escape(key)}: Extra inputs are not permitted"):
             load_config(TrainConfig, path, [f"{key}=1"])
 

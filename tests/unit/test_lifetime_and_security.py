@@ -1,6 +1,6 @@
-"""Unit checks of issue 11's pieces: token middleware, engine probes, ipc refusal, shm names and
-sweep, the external-URL check, picklable errors, the launcher watch. Real loopback sockets, no vLLM
-(tests/faults runs each against real engines and the real job)."""
+"""Unit checks of what keeps a job contained: token middleware, engine probes, no unpickling, shm
+names and sweep, the external-URL check, picklable errors, the launcher watch. Real loopback
+sockets, no vLLM (tests/faults runs each against real engines and the real job)."""
 
 from __future__ import annotations
 
