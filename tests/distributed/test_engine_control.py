@@ -15,9 +15,9 @@ import requests
 from engine_token import HEADERS, TOKEN
 
 from vime.config import EngineConfig
-from vime.rollout.generation import GenerationClient, SamplingConfig
-from vime.rollout.server import EngineStartError
-from vime.rollout.vllm_engine import FlushCacheError, VLLMEngine
+from vime.engines.generation import GenerationClient, SamplingConfig
+from vime.engines.server import EngineStartError
+from vime.engines.vllm_engine import FlushCacheError, VLLMEngine
 from vime.utils.http import EngineHTTPError
 
 pytestmark = pytest.mark.distributed

@@ -20,7 +20,7 @@ import threading
 import pytest
 import torch
 
-from vime.rollout.generation import GenerationClient, SamplingConfig
+from vime.engines.generation import GenerationClient, SamplingConfig
 from vime.testing.hf import load_hf_model
 from vime.testing.tiny_model import build_tiny_model
 

@@ -1,5 +1,5 @@
 """One vLLM CPU engine spanning two nodes: TP=2, one worker on each, node 0 serving HTTP and
-node 1 running `vllm serve --headless` (vime.rollout.vllm_cli); the two "nodes" are this machine
+node 1 running `vllm serve --headless` (vime.engines.vllm_cli); the two "nodes" are this machine
 at 127.0.0.2 and 127.0.0.3. The command lines are vime's own (build_server_command / launch_server).
 
 Greedy output must equal HF transformers on the same checkpoint: the two workers really split the
@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from vime.config import EngineConfig
-from vime.rollout.server import EngineNodeRole, launch_server
+from vime.engines.server import EngineNodeRole, launch_server
 from vime.testing.hf import hf_greedy
 from vime.utils.net import free_port
 

@@ -92,7 +92,7 @@ def _send_through_vllm_api(server: Server, model_dir: Path) -> None:
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from vime.rollout.vllm_engine import VLLMEngine
+    from vime.engines.vllm_engine import VLLMEngine
     from vime.weight_sync.trainer_engines import ColocatedTrainerInitInfo
 
     client = VLLMEngine(server.config, url=server.url)

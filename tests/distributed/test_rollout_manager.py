@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from vime.config import RolloutConfig
+from vime.engines.generation import GenerationClient
 from vime.rl.data import DIGIT_REPEAT_TRAIN
 from vime.rl.rollout import RolloutManager, RolloutThread
-from vime.rollout.generation import GenerationClient
 
 pytestmark = pytest.mark.distributed
 

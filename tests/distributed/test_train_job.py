@@ -314,7 +314,7 @@ def test_external_tp2_engine_on_another_node_syncs_over_gloo(tmp_path, tiny_mode
     here, as someone else's server would be) 127.0.0.3, with tensor parallelism 2; the job reads
     its two workers from the server and the weight-sync group (1 + 2 ranks) joins across."""
     from vime.config import EngineConfig
-    from vime.rollout.server import launch_server
+    from vime.engines.server import launch_server
 
     engine = EngineConfig(
         model_path=str(tiny_model_dir),

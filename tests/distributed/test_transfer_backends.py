@@ -50,7 +50,7 @@ class Server:
 
     def __init__(self, model_dir: Path, backend: str, log_path: Path):
         from vime.config import EngineConfig
-        from vime.rollout.server import launch_server
+        from vime.engines.server import launch_server
 
         self.backend = backend
         config = EngineConfig(
@@ -306,7 +306,7 @@ def test_vllm_trainer_factory_drives_vime_backends(servers, reference, backend):
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from vime.rollout.vllm_engine import VLLMEngine
+    from vime.engines.vllm_engine import VLLMEngine
     from vime.weight_sync.trainer_engines import BroadcastTrainerInitInfo, ColocatedTrainerInitInfo
 
     server = servers[backend]

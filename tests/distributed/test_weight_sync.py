@@ -32,7 +32,7 @@ from weight_sync_harness import (
 )
 
 from vime.config import EngineConfig
-from vime.rollout.vllm_engine import VLLMEngine
+from vime.engines.vllm_engine import VLLMEngine
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -466,7 +466,7 @@ def test_ray_engine_wraps_an_actor_with_timeouts(servers, model_dir):
     """Updaters take Ray actors through RayEngine: plain calls, each bounded by a timeout."""
     import ray
 
-    from vime.rollout.ray_engine import RayEngine
+    from vime.engines.ray_engine import RayEngine
 
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:

@@ -34,7 +34,7 @@ from weight_sync_harness import (
     running_engines,
 )
 
-from vime.rollout.vllm_engine import VLLMEngine
+from vime.engines.vllm_engine import VLLMEngine
 from vime.utils.process_group import group_members, mapped_shm_files
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]

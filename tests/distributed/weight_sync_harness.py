@@ -118,7 +118,7 @@ class InflightRequest:
     """A greedy streamed request on its own thread and event loop."""
 
     def __init__(self, url: str):
-        from vime.rollout.generation import GenerationClient, SamplingConfig
+        from vime.engines.generation import GenerationClient, SamplingConfig
 
         self.seen_tokens = threading.Event()
         self.result = None
@@ -170,6 +170,7 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
     import torch.distributed as dist
 
     from vime.config import EngineConfig, WeightSyncConfig
+    from vime.engines.vllm_engine import VLLMEngine
     from vime.megatron.converters import get_converter
     from vime.megatron.gather import GatherGroups, gather_hf_weights
     from vime.megatron.model import (
@@ -179,7 +180,6 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
         load_hf_config,
         pad_vocab_size,
     )
-    from vime.rollout.vllm_engine import VLLMEngine
     from vime.weight_sync.updater import WeightUpdater
 
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(name)s: %(message)s")
@@ -477,7 +477,7 @@ def running_engines(specs: dict[str, dict], log_dir: str):
     Each gets room for the long in-flight request and the tests' token; all end on exit.
     """
     from vime.config import EngineConfig
-    from vime.rollout.vllm_engine import VLLMEngine
+    from vime.engines.vllm_engine import VLLMEngine
 
     engines = {
         name: VLLMEngine(

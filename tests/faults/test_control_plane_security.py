@@ -12,7 +12,7 @@ import uuid
 import pytest
 import requests
 
-from vime.rollout.vllm_engine import VLLMEngine
+from vime.engines.vllm_engine import VLLMEngine
 from vime.utils.http import EngineHTTPError
 
 pytestmark = pytest.mark.faults

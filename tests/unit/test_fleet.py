@@ -12,8 +12,8 @@ import pytest
 from aiohttp import web
 
 from vime.config import FleetConfig, ScaleUpPolicy, TrainConfig
-from vime.job.fleet_requests import REQUESTS_FILE, request_change
-from vime.rollout.generation import GenerationClient, SamplingConfig
+from vime.engines.generation import GenerationClient, SamplingConfig
+from vime.fleet.requests import REQUESTS_FILE, request_change
 
 pytestmark = pytest.mark.unit
 
@@ -118,7 +118,7 @@ def test_scale_up_asks_for_engines_only_after_enough_slow_steps_in_a_row():
 def test_auto_seed_follows_what_was_cheaper_in_this_job():
     """fleet.seed=auto seeds from a live engine (the join step's sync stays a delta) unless the
     job's full syncs were faster than its delta syncs (medians), as on a 2-core CPU host."""
-    from vime.job.fleet_seed import delta_is_cheaper, seeds_from_engine
+    from vime.fleet.seed import delta_is_cheaper, seeds_from_engine
 
     assert delta_is_cheaper({}) and delta_is_cheaper({"full": [2.0]})
     assert delta_is_cheaper({"full": [2.1, 9.0, 2.0], "delta": [0.4, 0.5]})

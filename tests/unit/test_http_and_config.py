@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from vime.config import EngineConfig, apply_overrides, load_config
-from vime.rollout.cpu_binding import cpu_core_binding
-from vime.rollout.generation import SamplingConfig, expand_weight_versions
-from vime.rollout.server import build_server_command
+from vime.engines.cpu_binding import cpu_core_binding
+from vime.engines.generation import SamplingConfig, expand_weight_versions
+from vime.engines.server import build_server_command
 from vime.utils.http import EngineHTTPError, request_json
 
 pytestmark = pytest.mark.unit
@@ -168,7 +168,7 @@ def test_served_slices_are_checked_and_taken_from_the_whole_tensor():
 
 
 def test_cpu_server_keeps_freed_memory_unless_told_not_to(monkeypatch):
-    monkeypatch.setattr("vime.rollout.server._has_cuda", lambda: False)
+    monkeypatch.setattr("vime.engines.server._has_cuda", lambda: False)
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
     _, env = build_server_command(EngineConfig(model_path="/m"), 8123)
     tunables = env["GLIBC_TUNABLES"].split(":")
@@ -179,13 +179,13 @@ def test_cpu_server_keeps_freed_memory_unless_told_not_to(monkeypatch):
 
 
 def test_eager_cpu_server_runs_the_samplers_helpers_without_dynamo(monkeypatch):
-    monkeypatch.setattr("vime.rollout.server._has_cuda", lambda: False)
+    monkeypatch.setattr("vime.engines.server._has_cuda", lambda: False)
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
     _, env = build_server_command(EngineConfig(model_path="/m"), 8123)
     assert env["TORCHDYNAMO_DISABLE"] == "1"
     _, env = build_server_command(EngineConfig(model_path="/m", enforce_eager=False), 8123)
     assert "TORCHDYNAMO_DISABLE" not in env
-    monkeypatch.setattr("vime.rollout.server._has_cuda", lambda: True)  # GPU: vLLM's choice
+    monkeypatch.setattr("vime.engines.server._has_cuda", lambda: True)  # GPU: vLLM's choice
     _, env = build_server_command(EngineConfig(model_path="/m"), 8123)
     assert "TORCHDYNAMO_DISABLE" not in env
 
@@ -203,8 +203,8 @@ def test_engine_http_error_survives_pickling():
 
 
 def test_sync_errors_name_ray_engines_by_url():
-    from vime.rollout.ray_engine import RayEngine
-    from vime.rollout.vllm_engine import VLLMEngine
+    from vime.engines.ray_engine import RayEngine
+    from vime.engines.vllm_engine import VLLMEngine
     from vime.weight_sync.session import describe_engine
 
     assert (
@@ -215,7 +215,7 @@ def test_sync_errors_name_ray_engines_by_url():
 
 
 def test_base_port_gives_each_launched_engine_its_port():
-    from vime.rollout.vllm_engine import VLLMEngine
+    from vime.engines.vllm_engine import VLLMEngine
 
     config = EngineConfig(model_path="/m", base_port=28000)
     assert [VLLMEngine(config, rank=r)._launch_port() for r in range(3)] == [28000, 28001, 28002]
@@ -228,7 +228,7 @@ def test_stop_ends_the_group_when_its_leader_is_already_dead(tmp_path):
     import subprocess
     import time
 
-    from vime.rollout.server import ServerProcess
+    from vime.engines.server import ServerProcess
     from vime.utils.process_group import group_members
 
     process = subprocess.Popen(

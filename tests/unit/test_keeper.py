@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from vime.rollout.server import ServerProcess
+from vime.engines.server import ServerProcess
 from vime.utils.keeper import spawn_kept
 from vime.utils.process_group import group_members, mapped_shm_files
 

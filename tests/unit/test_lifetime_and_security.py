@@ -18,9 +18,9 @@ import time
 import pytest
 
 from vime.config import EngineConfig
-from vime.rollout import auth
-from vime.rollout.server import EngineStartError, build_server_command, check_vllm_server
-from vime.rollout.watchdog import EngineFailedError, EngineWatchdog, probe
+from vime.engines import auth
+from vime.engines.server import EngineStartError, build_server_command, check_vllm_server
+from vime.engines.watchdog import EngineFailedError, EngineWatchdog, probe
 from vime.utils.http import EngineHTTPError
 from vime.weight_sync.devices.cpu import ShmHandles, sweep_stale_segments
 from vime.weight_sync.names import SEGMENT_NAME, check_segment_name

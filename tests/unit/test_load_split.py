@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from vime.rollout.cpu_binding import sync_load_cores
+from vime.engines.cpu_binding import sync_load_cores
 from vime.weight_sync.engine.parallel_load import CoreThreads, parse_cores, split_by_layer
 
 pytestmark = pytest.mark.unit

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vime.config import RolloutConfig
+from vime.engines.generation import GenerationResult
 from vime.rl.data import (
     DIGIT_REPEAT_TEST,
     DIGIT_REPEAT_TRAIN,
@@ -21,7 +22,6 @@ from vime.rl.data import (
 from vime.rl.rewards import digit_match
 from vime.rl.rollout import RolloutManager, RolloutThread
 from vime.rl.samples import RolloutSample, parse_weight_version, staleness_metrics
-from vime.rollout.generation import GenerationResult
 
 pytestmark = pytest.mark.unit
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from vime.config import WeightSyncConfig
-from vime.rollout.vllm_engine import FlushCacheError
+from vime.engines.vllm_engine import FlushCacheError
 from vime.weight_sync.session import WeightSyncError, call_engines, run_sync_session
 
 pytestmark = pytest.mark.unit
@@ -268,7 +268,7 @@ def test_broadcast_rendezvous_gives_up_at_the_configured_deadline():
 
 def test_engine_device_ids_become_each_engines_devices():
     from vime.config import EngineConfig
-    from vime.rollout.server import build_server_command
+    from vime.engines.server import build_server_command
 
     config = EngineConfig(model_path="/m", num_engines=2, tensor_parallel_size=2,
                           device_ids=["0,1", "2,3"])  # fmt: skip

@@ -134,7 +134,7 @@ def running_engine(
     They start unpinned (they inherit this process's affinity) on the cores the trainer leaves.
     """
     from vime.config import EngineConfig
-    from vime.rollout.vllm_engine import VLLMEngine
+    from vime.engines.vllm_engine import VLLMEngine
 
     rank = dist.get_rank()
     config = EngineConfig(

@@ -117,7 +117,7 @@ class EngineConfig(StrictModel):
         description=(
             "Token every engine route requires (Authorization: Bearer ...). None: each job makes "
             "one for the engines it launches; external engines: the token they were started with "
-            "(their server needs --middleware vime.rollout.auth.TokenMiddleware and "
+            "(their server needs --middleware vime.engines.auth.TokenMiddleware and "
             "$VIME_ENGINE_TOKEN), or None if they have none."
         ),
     )

@@ -3,7 +3,7 @@
 A dead or stalled engine is restarted, synced to the trainer's current weights, and only then
 serves again; its lost requests are resubmitted.
 
-- `EngineRecovery` (rank 0): the watchdog (vime.rollout.watchdog) reports a failure from its
+- `EngineRecovery` (rank 0): the watchdog (vime.engines.watchdog) reports a failure from its
   thread; the engine is marked down in the generation client (its requests in flight are
   cancelled and wait to be resubmitted) and its restart starts at once, in the background (the
   restart ends the old server, so a call stuck on a stalled engine fails now instead of at its
@@ -27,18 +27,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from vime.rollout.generation import GenerationClient
-from vime.rollout.watchdog import EngineFailedError, EngineWatchdog
+from vime.engines.generation import GenerationClient
+from vime.engines.watchdog import EngineFailedError, EngineWatchdog
+from vime.utils.collectives import broadcast_object
 from vime.weight_sync.session import SyncReport, WeightSyncError
 
 logger = logging.getLogger(__name__)
-
-
-def broadcast_object(obj: Any, group: Any) -> Any:
-    """Rank 0's `obj` on every rank of `group`."""
-    holder = [obj]
-    dist.broadcast_object_list(holder, group=group, group_src=0)
-    return holder[0]
 
 
 class EngineRecovery:
@@ -54,7 +48,7 @@ class EngineRecovery:
         self._lock = threading.Lock()
         self._restarts: dict[int, tuple[Future, float]] = {}  # index -> (restart, detected at)
         self._failed = threading.Event()
-        # Engines may join later (vime.job.fleet): room for restarts of more than the first ones.
+        # Engines may join later (vime.fleet.fleet): room for restarts of more than the first ones.
         workers = max(8, len(engines))
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="vime-restart")
 

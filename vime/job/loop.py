@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from vime.config import TrainConfig
-from vime.job.faults import FaultTolerance, broadcast_object
+from vime.job.faults import FaultTolerance
 from vime.job.report import Reporter
 from vime.job.stages import Evaluator, supervised_stage
 from vime.megatron.checkpoint import TrainingState, save_checkpoint
+from vime.utils.collectives import broadcast_object
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class Job:
     evaluate: Evaluator
     report: Reporter
     recovery_metrics: Any = None  # rank 0 with fault tolerance: () -> dict
-    fleet: Any = None  # vime.job.fleet.Fleet: engines joining and leaving
+    fleet: Any = None  # vime.fleet.fleet.Fleet: engines joining and leaving
 
     def submit(self, step: int) -> Any:
         """Rank 0: start generating step `step`'s batch (None elsewhere), its requests salted

@@ -23,15 +23,16 @@ import torch.distributed as dist
 
 from vime.cluster.addresses import HOST_IP_ENV, node_address
 from vime.config import TrainConfig
+from vime.fleet.fleet import Fleet
 from vime.job.abort import abort
-from vime.job.faults import EngineRecovery, FaultTolerance, broadcast_object
-from vime.job.fleet import Fleet
+from vime.job.faults import EngineRecovery, FaultTolerance
 from vime.job.loop import Job, run_loop
 from vime.job.report import Reporter, write_summary
 from vime.job.stages import Evaluator
 from vime.megatron.checkpoint import TrainingState, load_checkpoint
 from vime.plugin import RolloutEngines, WeightSync
 from vime.rl.metrics import MetricsWriter, drop_rows_from
+from vime.utils.collectives import broadcast_object
 from vime.utils.cores import spare_core
 from vime.utils.dist_env import init_process_group
 
@@ -182,9 +183,9 @@ def _run(
     """Connect the weight sync, start rank 0's rollouts and watchers, run the loop."""
     from transformers import AutoTokenizer
 
+    from vime.engines.ray_engine import startup_bound
+    from vime.engines.watchdog import EngineWatchdog
     from vime.rl.rollout import RolloutThread
-    from vime.rollout.ray_engine import startup_bound
-    from vime.rollout.watchdog import EngineWatchdog
 
     _pin_trainer(config, engines)
     sync = WeightSync(

@@ -19,11 +19,11 @@ import logging
 import math
 
 from vime.config import EngineConfig, RolloutConfig
+from vime.engines.generation import GenerationClient
+from vime.engines.vllm_engine import VLLMEngine
 from vime.rl.data import DIGIT_REPEAT_TEST, load_prompts
 from vime.rl.rollout import RolloutManager
 from vime.rl.samples import RolloutBatch
-from vime.rollout.generation import GenerationClient
-from vime.rollout.vllm_engine import VLLMEngine
 
 
 def eval_metrics(batch: RolloutBatch) -> dict[str, float]:

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vime.config import RolloutConfig
+from vime.engines.generation import GenerationClient, GenerationResult, SamplingConfig
 from vime.rl.data import PromptRecord, load_prompts, resolve_data_path
 from vime.rl.rewards import RewardFn, load_reward_fn
 from vime.rl.samples import (
@@ -38,7 +39,6 @@ from vime.rl.samples import (
     RolloutSample,
     parse_weight_version,
 )
-from vime.rollout.generation import GenerationClient, GenerationResult, SamplingConfig
 
 logger = logging.getLogger(__name__)
 

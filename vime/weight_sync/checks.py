@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from vime.config.weight_sync import WeightSyncConfig
 from vime.megatron.gather import HFWeightMeta
+from vime.utils.collectives import broadcast_object
 from vime.weight_sync.buckets import (
     ROUNDING_CASTS,
     check_against_engine,
@@ -125,13 +126,12 @@ def check_engines(
             facts = call_engines(engines, "check", check, timeout_s=timeout_s)
         except WeightSyncError as exc:
             problem = str(exc)
-    verdict: list[Any] = [problem, facts]
-    dist.broadcast_object_list(verdict, group=group, group_src=0)
-    if verdict[0] is not None:
-        raise ValueError(f"trainer weights do not fit the engines, nothing was sent: {verdict[0]}")
+    problem, facts = broadcast_object((problem, facts), group)
+    if problem is not None:
+        raise ValueError(f"trainer weights do not fit the engines, nothing was sent: {problem}")
     return EngineFacts(
-        layouts=[layouts for layouts, _ in verdict[1]],
-        devices=[devices for _, devices in verdict[1]],
+        layouts=[layouts for layouts, _ in facts],
+        devices=[devices for _, devices in facts],
     )
 
 

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 class Engine(Protocol):
-    """The control methods a sync needs; `vime.rollout.vllm_engine.VLLMEngine` has them all."""
+    """The control methods a sync needs; `vime.engines.vllm_engine.VLLMEngine` has them all."""
 
     def pause_generation(self, mode: Any = None, clear_cache: bool | None = None) -> Any: ...
     def continue_generation(self) -> Any: ...

@@ -24,7 +24,7 @@ from typing import Any
 
 import requests
 
-from vime.rollout.auth import auth_headers
+from vime.engines.auth import auth_headers
 
 logger = logging.getLogger(__name__)
 

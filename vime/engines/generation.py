@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from vime.rollout.auth import auth_headers
+from vime.engines.auth import auth_headers
 
 MAX_RESUBMISSIONS = 8  # a request lost with its engine is resubmitted at most this often
 
@@ -124,7 +124,7 @@ class GenerationClient:
         fault_tolerant: bool = False,
         failure_wait_s: float = 30.0,
     ):
-        """`token`: the engines' token (vime.rollout.auth), sent with every request."""
+        """`token`: the engines' token (vime.engines.auth), sent with every request."""
         if not urls:
             raise ValueError("GenerationClient needs at least one engine URL")
         self.urls = [url.rstrip("/") for url in urls]

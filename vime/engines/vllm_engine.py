@@ -4,7 +4,7 @@ Usable directly or as a Ray actor (`ray.remote(num_cpus=0)(VLLMEngine)`). It eit
 server subprocess (and ends only that process group on `shutdown`) or connects to an external URL.
 
 An engine spanning several nodes is controlled through its node 0, which serves HTTP (see
-`vime.rollout.server.EngineNodeRole`); give that node's URL.
+`vime.engines.server.EngineNodeRole`); give that node's URL.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from urllib.parse import urlsplit
 
 from vime.cluster.addresses import node_address
 from vime.config import EngineConfig
-from vime.rollout.auth import auth_headers, new_token
-from vime.rollout.server import ServerProcess, check_vllm_server, launch_server
+from vime.engines.auth import auth_headers, new_token
+from vime.engines.server import ServerProcess, check_vllm_server, launch_server
 from vime.utils.http import EngineHTTPError, request_json
 
 PauseMode = Literal["keep", "wait", "abort"]

@@ -7,7 +7,7 @@ rank 0 decides and broadcasts one plan, every rank applies it:
 
 - **join**: rank 0 launches the engines in the background (Ray actors, a placement group of
   their own). Once up, they are admitted at the next safe point: every rank attaches; with
-  delta syncs a serving engine seeds them (fleet.seed, vime.job.fleet_seed); the weight
+  delta syncs a serving engine seeds them (fleet.seed, vime.fleet.seed); the weight
   sync reconnects (groups and rank offsets rebuilt, no trainer restart) and the step's sync (a
   delta if they were seeded, else full for every engine) brings them to the trainer's weights.
   They get requests after it (`after_sync`).
@@ -15,7 +15,7 @@ rank 0 decides and broadcasts one plan, every rank applies it:
   At the first safe point where none is left (or after fleet.drain_timeout_s, when the rest are
   handed over: cancelled, resubmitted elsewhere), it leaves every later sync and ends.
 - **preemption** (engine.preemption_drain_s > 0): rank 0's poller finds a keeper's notice
-  (vime.utils.preemption; vime.job.fleet_preemption) and drains the engine at once; what it
+  (vime.utils.preemption; vime.fleet.preemption) and drains the engine at once; what it
   holds when PREEMPT_MARGIN_S of its time is left is handed over.
 
 No sync sees a fleet change midway; indices are never reused.
@@ -35,10 +35,10 @@ from typing import Any
 import torch.distributed as dist
 
 from vime.config import TrainConfig
-from vime.job.faults import broadcast_object
-from vime.job.fleet_preemption import PreemptionWatch
-from vime.job.fleet_requests import read_requests
-from vime.job.fleet_seed import delta_is_cheaper, seed_joiners, seeds_from_engine
+from vime.fleet.preemption import PreemptionWatch
+from vime.fleet.requests import read_requests
+from vime.fleet.seed import delta_is_cheaper, seed_joiners, seeds_from_engine
+from vime.utils.collectives import broadcast_object
 
 logger = logging.getLogger(__name__)
 
@@ -293,7 +293,7 @@ class Fleet(PreemptionWatch):
     def _launch(self, count: int) -> bool:
         """Start launching `count` engines in the background; False if refused."""
         from vime.cluster.addresses import node_address
-        from vime.rollout.ray_engine import launch_engines
+        from vime.engines.ray_engine import launch_engines
 
         if not self.engines.launched:
             logger.error("fleet: a join of %d refused: the engines are external", count)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-logger = logging.getLogger("vime.job.fleet")
+logger = logging.getLogger("vime.fleet.fleet")
 
 # A preempted engine's requests still in flight this long before its keeper ends it are handed
 # over (cancelled there, resubmitted elsewhere): one probe interval and a resubmit fit in it.

@@ -1,6 +1,6 @@
 """Asking a running job to change its fleet: `vime fleet join|leave --run-dir DIR` appends a line
 to DIR/fleet-requests.jsonl, which the job's rank 0 reads at each step's safe point
-(vime.job.fleet). Whoever may write the job's run directory may steer it; nothing listens on the
+(vime.fleet.fleet). Whoever may write the job's run directory may steer it; nothing listens on the
 network."""
 
 from __future__ import annotations
