@@ -9,18 +9,26 @@ Every rank runs these lines; only rank 0 has rollouts (the others get each batch
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vime.config import TrainConfig
-from vime.job.faults import FaultTolerance
 from vime.job.report import Reporter
+from vime.job.safe_points import SafePoints
 from vime.job.stages import Evaluator, supervised_stage
 from vime.megatron.checkpoint import TrainingState, save_checkpoint
 from vime.utils.collectives import broadcast_object
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from vime.plugin import WeightSync
+    from vime.rl.rollout import RolloutThread
+    from vime.trainer.trainer import MegatronTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -32,20 +40,18 @@ class Job:
     config: TrainConfig
     rank: int
     run_dir: Path
-    trainer: Any  # vime.trainer.MegatronTrainer
-    sync: Any  # vime.plugin.WeightSync
-    faults: FaultTolerance
-    tokenizer: Any
+    trainer: MegatronTrainer
+    sync: WeightSync
+    safe_points: SafePoints
+    tokenizer: PreTrainedTokenizerBase
     pad_id: int
     start_step: int
     resumed: bool
-    rollouts: Any  # rank 0: vime.rl.rollout.RolloutThread
+    rollouts: RolloutThread | None  # rank 0
     evaluate: Evaluator
     report: Reporter
-    recovery_metrics: Any = None  # rank 0 with fault tolerance: () -> dict
-    fleet: Any = None  # vime.fleet.fleet.Fleet: engines joining and leaving
 
-    def submit(self, step: int) -> Any:
+    def submit(self, step: int) -> concurrent.futures.Future | None:
         """Rank 0: start generating step `step`'s batch (None elsewhere), its requests salted
         with the version the engines serve now."""
         if self.rollouts is None:
@@ -60,35 +66,23 @@ def run_loop(job: Job) -> dict[str, Any]:
     job.evaluate("resumed" if job.resumed else "before", job.start_step, sync.weight_version)
     if config.sft.enabled and not job.resumed:
         summary["sft"] = supervised_stage(config, job.trainer, job.tokenizer, job.run_dir, job.rank)
-        report = job.faults.update_weights()
-        if job.fleet is not None and job.rank == 0:
-            job.fleet.note_sync(report)
+        job.safe_points.sync_after_warm_start()
         job.evaluate("after_sft", job.start_step, sync.weight_version)
     pipelined = config.loop == "async"
     pending = job.submit(job.start_step) if pipelined else None
     for step in range(job.start_step, config.num_steps):
         if pending is None:
             pending = job.submit(step)
-        waited = time.monotonic()
-        batch = job.faults.until_batch(pending)  # engines that failed meanwhile recover first
-        if job.fleet is not None and job.rank == 0:
-            job.fleet.note_batch_wait(time.monotonic() - waited)
+        batch = job.safe_points.take_batch(pending)  # rank 0's; failed engines recover first
         last = step + 1 == config.num_steps
         pending = job.submit(step + 1) if pipelined and not last else None  # one-off pipelining
-        if job.rank == 0 and config.save_rollouts:
+        if batch is not None and config.save_rollouts:  # rank 0
             batch.write_jsonl(job.run_dir / "rollouts.jsonl", sync.weight_version)
-        packed = broadcast_object(batch.pack(job.pad_id) if job.rank == 0 else None, sync.group)
+        packed = broadcast_object(batch.pack(job.pad_id) if batch is not None else None, sync.group)
         train_start = time.time()
         train = job.trainer.train_step(packed, weight_version=sync.weight_version)
         train_end = time.time()
-        if job.fleet is not None:
-            job.fleet.before_sync(step)  # engines join or leave here, never during a sync
-        report = job.faults.update_weights()
-        extra = job.recovery_metrics() if job.recovery_metrics else {}
-        if job.fleet is not None:
-            job.fleet.after_sync(report)  # joiners hold this sync's weights: they serve now
-            if job.rank == 0:
-                extra.update(job.fleet.metrics())
+        report, extra = job.safe_points.sync(step)
         extra["train/param_fingerprint"] = job.trainer.param_fingerprint()
         job.report.step(
             step,

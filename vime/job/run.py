@@ -28,6 +28,7 @@ from vime.job.abort import abort
 from vime.job.faults import EngineRecovery, FaultTolerance
 from vime.job.loop import Job, run_loop
 from vime.job.report import Reporter, write_summary
+from vime.job.safe_points import SafePoints
 from vime.job.stages import Evaluator
 from vime.megatron.checkpoint import TrainingState, load_checkpoint
 from vime.plugin import RolloutEngines, WeightSync
@@ -247,7 +248,12 @@ def _run(
         run_dir=run_dir,
         trainer=trainer,
         sync=sync,
-        faults=FaultTolerance(sync, recovery, engines.group, config.engine.progress_timeout_s),
+        safe_points=SafePoints(
+            FaultTolerance(sync, recovery, engines.group, config.engine.progress_timeout_s),
+            fleet,
+            rank,
+            recovery,
+        ),
         tokenizer=tokenizer,
         pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         start_step=start_step,
@@ -255,8 +261,6 @@ def _run(
         rollouts=rollouts,
         evaluate=evaluate,
         report=report,
-        recovery_metrics=recovery.metrics if recovery else None,
-        fleet=fleet,
     )
     summary: dict[str, Any] = {}
     try:
