@@ -30,11 +30,23 @@ def test_own_megatron_loop_syncs_every_step_into_a_real_engine(tiny_model_dir, t
 
     out = tmp_path / "example"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
         str(REPO_ROOT / "examples" / "megatron_sft_loop.py"),
-        "--hf-dir", str(tiny_model_dir), "--out", str(out), "--steps", str(STEPS),
-    ]  # fmt: skip
+        "--hf-dir",
+        str(tiny_model_dir),
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+    ]
     completed = subprocess.run(
         command, cwd=tmp_path, capture_output=True, text=True, timeout=540, env=dict(os.environ)
     )

@@ -158,8 +158,9 @@ def _init_call(server: Server):
 def _check_served(server: Server, reference, key: str, version: str) -> None:
     expected = {name: tensor_digest(t) for name, t in reference[key]["weights"].items()}
     served = server.rpc("vime_weight_checksums")
-    mismatched = sorted(name for name in expected.keys() | served.keys()
-                        if expected.get(name) != served.get(name))  # fmt: skip
+    mismatched = sorted(
+        name for name in expected.keys() | served.keys() if expected.get(name) != served.get(name)
+    )
     assert not mismatched, f"served tensors differ from the {key} weights: {mismatched}"
     hf_tokens = hf_greedy(reference[key]["model"], reference["prompt_ids"], NUM_NEW_TOKENS)
     assert server.greedy(reference["prompt_ids"]) == hf_tokens

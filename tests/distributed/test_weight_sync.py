@@ -186,7 +186,7 @@ def delta_run(servers, model_dir, tmp_path_factory):
             changed_fraction=0.3,
             fail_in_send=True,
             inflight=True,
-        ),  # fmt: skip
+        ),
         SyncStep("shm", b, version=43, delta=True, changed_fraction=sparse, reconnect=True),
         SyncStep("shm", b, version=44, delta=True, changed_fraction=sparse),
         # Full again on the same segments: the delta before it used fewer buckets.
@@ -202,8 +202,16 @@ def test_delta_syncs_serve_exact_weights_and_send_only_what_changed(delta_run, h
         assert_synced(record, exported[index], hf, checkpoint)
     reports = [record["report"] for record in records]
     assert [r.delta for r in reports] == [
-        "full", "delta", "delta", "full", "delta", "full", "full", "delta", "full"
-    ]  # fmt: skip
+        "full",
+        "delta",
+        "delta",
+        "full",
+        "delta",
+        "full",
+        "full",
+        "delta",
+        "full",
+    ]
     full_bytes = reports[0].num_bytes
     for index in (1, 4, 7):  # 1% of the elements changed: indices and values of those
         report = reports[index]
@@ -295,8 +303,9 @@ def test_a_live_engine_seeds_a_joiner_exactly(servers, model_dir, tmp_path_facto
     config = EngineConfig(model_path=model_dir, auth_token=TOKEN)
     source, joiner = (VLLMEngine(config, url=servers[name]) for name in ("A", "B"))
     source.init(), joiner.init()
-    report = seed_engine(source, joiner, address="127.0.0.1", version=61,
-                         bucket_bytes=1 << 20, timeout_s=60)  # fmt: skip
+    report = seed_engine(
+        source, joiner, address="127.0.0.1", version=61, bucket_bytes=1 << 20, timeout_s=60
+    )
     assert report.bytes >= sum(t.nbytes for t in exported[1].values())
     served = {
         "metadata": joiner.collective_rpc("vime_weight_metadata"),
@@ -333,8 +342,10 @@ def test_sync_serves_exact_trainer_weights(
     assert transports == {"gloo", "shm", "nccl", "ipc"}
     if run == "tp2_run":  # checked above: the deltas are exact, like the full syncs
         assert [records[i]["report"].delta for i in range(3, 11)] == ["full", "delta"] * 4
-        assert all(records[i]["report"].num_bytes < 0.1 * records[3]["report"].num_bytes
-                   for i in (4, 6, 8, 10))  # fmt: skip
+        assert all(
+            records[i]["report"].num_bytes < 0.1 * records[3]["report"].num_bytes
+            for i in (4, 6, 8, 10)
+        )
     if run == "pp2_run":  # a delta over per-stage NCCL groups: both stages send only changes
         assert [records[i]["report"].delta for i in (6, 7)] == ["full", "delta"]
         assert records[7]["report"].num_bytes < 0.1 * records[6]["report"].num_bytes

@@ -78,14 +78,29 @@ class BackgroundJob:
         self.run_dir = tmp_path / "run"
         self.log_path = tmp_path / "job.log"
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-            "-m", "vime.train", "--config", str(REPO_ROOT / "configs" / "tiny_cpu_async.yaml"),
-            f"run_dir={self.run_dir}", f"engine.model_path={model_dir}", "model.preset=null",
-            "num_steps=500", "rollout.num_prompts_per_step=4", "rollout.num_samples_per_prompt=4",
-            "rollout.max_tokens=64", "eval.prompts_path=null", *overrides,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "vime.train",
+            "--config",
+            str(REPO_ROOT / "configs" / "tiny_cpu_async.yaml"),
+            f"run_dir={self.run_dir}",
+            f"engine.model_path={model_dir}",
+            "model.preset=null",
+            "num_steps=500",
+            "rollout.num_prompts_per_step=4",
+            "rollout.num_samples_per_prompt=4",
+            "rollout.max_tokens=64",
+            "eval.prompts_path=null",
+            *overrides,
+        ]
         self.shm_before = set(os.listdir("/dev/shm"))
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
         self.process = subprocess.Popen(

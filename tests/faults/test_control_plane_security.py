@@ -25,8 +25,13 @@ def engine(engine_pool):
 
 
 def _greedy(engine: VLLMEngine) -> list[int]:
-    body = {"model": engine.config.model_path, "prompt": [5, 6, 7], "max_tokens": 8,
-            "temperature": 0.0, "return_token_ids": True}  # fmt: skip
+    body = {
+        "model": engine.config.model_path,
+        "prompt": [5, 6, 7],
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "return_token_ids": True,
+    }
     response = requests.post(
         f"{engine.url}/v1/completions", json=body, headers=engine.auth_headers(), timeout=60
     )
@@ -43,9 +48,16 @@ def test_every_route_answers_401_without_the_token_and_changes_nothing(engine):
         for path, methods in schema.json()["paths"].items()
         for method in methods
     ]
-    dev_routes = {"/pause", "/resume", "/collective_rpc", "/update_weights",
-                  "/init_weight_transfer_engine", "/start_weight_update",
-                  "/finish_weight_update", "/update_weight_version"}  # fmt: skip
+    dev_routes = {
+        "/pause",
+        "/resume",
+        "/collective_rpc",
+        "/update_weights",
+        "/init_weight_transfer_engine",
+        "/start_weight_update",
+        "/finish_weight_update",
+        "/update_weight_version",
+    }
     assert dev_routes <= {path for _, path in routes}, "the server runs without dev mode?"
     answers = {}
     for method, path in routes + [("GET", "/openapi.json"), ("GET", "/docs")]:
@@ -53,9 +65,13 @@ def test_every_route_answers_401_without_the_token_and_changes_nothing(engine):
             # Bodies that would act if they got through (pause, a new version, a reload).
             body = {"new_version": "v-attacker", "method": "reload_weights", "args": []}
             response = requests.request(
-                method, f"{engine.url}{path}", json=body, headers=headers, timeout=30,
+                method,
+                f"{engine.url}{path}",
+                json=body,
+                headers=headers,
+                timeout=30,
                 params={"mode": "abort"},
-            )  # fmt: skip
+            )
             answers[(method, path, bool(headers))] = response.status_code
     assert set(answers.values()) == {401}, {k: v for k, v in answers.items() if v != 401}
     print(f"{len(routes) + 2} routes x (no token, wrong token): all 401")

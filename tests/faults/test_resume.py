@@ -60,13 +60,30 @@ def test_killed_job_resumes_from_its_checkpoint(tmp_path, tiny_model_dir):
         job.stop()
 
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "-m", "vime.train", "--config", str(REPO_ROOT / "configs" / "tiny_cpu_async.yaml"),
-        f"run_dir={tmp_path / 'run'}", f"engine.model_path={tiny_model_dir}", "model.preset=null",
-        "num_steps=4", "rollout.num_prompts_per_step=4", "rollout.num_samples_per_prompt=4",
-        "rollout.max_tokens=64", "eval.prompts_path=null", *common, "checkpoint.resume=true",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "vime.train",
+        "--config",
+        str(REPO_ROOT / "configs" / "tiny_cpu_async.yaml"),
+        f"run_dir={tmp_path / 'run'}",
+        f"engine.model_path={tiny_model_dir}",
+        "model.preset=null",
+        "num_steps=4",
+        "rollout.num_prompts_per_step=4",
+        "rollout.num_samples_per_prompt=4",
+        "rollout.max_tokens=64",
+        "eval.prompts_path=null",
+        *common,
+        "checkpoint.resume=true",
+    ]
     resumed = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-6000:]
     assert "resumed from" in resumed.stderr and "step_2" in resumed.stderr

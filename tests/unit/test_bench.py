@@ -38,7 +38,7 @@ def _result() -> DtypeResult:
             sync("naive", 4.8, 290),
             disk,
             control,
-        ],  # fmt: skip
+        ],
     )
 
 

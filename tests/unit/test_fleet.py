@@ -26,9 +26,12 @@ async def _engine(
     async def generate(request: web.Request) -> web.Response:
         await release.wait()
         served.append(name)
-        choice = {"token_ids": [7], "logprobs": {"content": [{"logprob": -0.1}]},
-                  "finish_reason": "length", "weight_versions": [{"start": 0, "end": 1,
-                                                                   "version": "1"}]}  # fmt: skip
+        choice = {
+            "token_ids": [7],
+            "logprobs": {"content": [{"logprob": -0.1}]},
+            "finish_reason": "length",
+            "weight_versions": [{"start": 0, "end": 1, "version": "1"}],
+        }
         return web.json_response({"choices": [choice]})
 
     app = web.Application()

@@ -142,9 +142,13 @@ def test_kl_to_reference_k1_and_estimators_agree_on_average():
     ref = torch.tensor([[math.log(0.5), 0.0]])
     config = GRPOConfig(kl_coef=0.1, kl_estimator="k1")
     loss, metrics = grpo_loss(
-        train, torch.zeros(1, 2), torch.tensor([0.0]), torch.ones(1, 2), config=config,
+        train,
+        torch.zeros(1, 2),
+        torch.tensor([0.0]),
+        torch.ones(1, 2),
+        config=config,
         ref_logprobs=ref,
-    )  # fmt: skip
+    )
     k1 = (0.0 - math.log(0.5)) / 2
     assert metrics["kl_ref"] == pytest.approx(k1, rel=1e-5)
     # k1 lowers each token's advantage by kl_coef * (train - ref): with advantage 0 and ratio 1

@@ -194,9 +194,12 @@ def test_each_kind_builds_its_shapes_transport_at_any_stage(kind):
         {"transport": {"kind": kind, **({"device": "cpu"} if kind in ("nccl", "ipc") else {})}}
     ).transport
     place = SenderPlace(
-        pp_rank=3, engine_world_sizes=[2, 1], timeout_s=5, device=torch.device("cpu"),
+        pp_rank=3,
+        engine_world_sizes=[2, 1],
+        timeout_s=5,
+        device=torch.device("cpu"),
         device_id="cpu",
-    )  # fmt: skip
+    )
     transport = make_transport(config, place)
     try:
         if kind in ("gloo", "nccl"):
@@ -270,8 +273,9 @@ def test_engine_device_ids_become_each_engines_devices():
     from vime.config import EngineConfig
     from vime.engines.server import build_server_command
 
-    config = EngineConfig(model_path="/m", num_engines=2, tensor_parallel_size=2,
-                          device_ids=["0,1", "2,3"])  # fmt: skip
+    config = EngineConfig(
+        model_path="/m", num_engines=2, tensor_parallel_size=2, device_ids=["0,1", "2,3"]
+    )
     _, env = build_server_command(config, 8000, rank=1)
     assert env["VIME_DEVICE_IDS"] == "2,3"  # CPU: the workers' stand-in device ids
     with pytest.raises(ValueError, match="engine rank 2"):

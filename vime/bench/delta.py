@@ -136,9 +136,21 @@ def bench_delta(args: argparse.Namespace, topology: Any, sync_group: Any) -> dic
                         "verified": delta.verified and full.verified,
                     }
                 )
-                logger.info("lr %g step %d: %s", lr, step, {k: rows[-1][k] for k in
-                            ("changed_fraction", "delta_bytes", "full_bytes", "delta_s",
-                             "full_s")})  # fmt: skip
+                logger.info(
+                    "lr %g step %d: %s",
+                    lr,
+                    step,
+                    {
+                        k: rows[-1][k]
+                        for k in (
+                            "changed_fraction",
+                            "delta_bytes",
+                            "full_bytes",
+                            "delta_s",
+                            "full_s",
+                        )
+                    },
+                )
             runs.append({"lr": lr, "steps": rows})
         sync.close()
     figures["runs"] = runs

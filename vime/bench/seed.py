@@ -43,8 +43,12 @@ def bench_seed(args: argparse.Namespace, topology: Any, sync_group: Any) -> dict
     model_dir, trainer = bf16_trainer(args, topology, sync_group)
     (transport,) = args.transports[:1]
     lr = args.delta_lrs[0]
-    figures: dict[str, Any] = {"preset": args.preset, "dtype": dtype, "transport": transport,
-                               "lr": lr}  # fmt: skip
+    figures: dict[str, Any] = {
+        "preset": args.preset,
+        "dtype": dtype,
+        "transport": transport,
+        "lr": lr,
+    }
     with (
         running_engine(args, model_dir, dtype, transport) as live,
         running_engine(args, model_dir, dtype, transport, name="-joiner") as joiner,
@@ -67,8 +71,14 @@ def bench_seed(args: argparse.Namespace, topology: Any, sync_group: Any) -> dict
             full = sync.update_weights()
             batch = training_batch(model_dir, vocab, 2 * step + 1)
             masters_step(trainer.model, masters, optimizer, vocab, batch)
-            seed = seed_engine(live, joiner, address="127.0.0.1", version=sync.weight_version,
-                               bucket_bytes=bucket_bytes, timeout_s=900)  # fmt: skip
+            seed = seed_engine(
+                live,
+                joiner,
+                address="127.0.0.1",
+                version=sync.weight_version,
+                bucket_bytes=bucket_bytes,
+                timeout_s=900,
+            )
             delta = sync.update_weights()  # fleet.seed=engine: the step's sync stays a delta
             assert (full.delta, delta.delta) == ("full", "delta"), (full.delta, delta.delta)
             rows.append(

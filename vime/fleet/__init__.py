@@ -6,4 +6,5 @@ serve; engines that drain and leave; preemption notices turned into drains.
 - `preemption`: SIGTERM'd engines (a preemption notice) become drains.
 - `requests`: `vime fleet`, the file a running job reads its join/drain requests from.
 - `seed`: a joiner's first weights, engine to engine or from the trainer.
+- `stats`: what it counts, for the metrics rows and the summary.
 """

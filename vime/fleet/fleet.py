@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from vime.config import TrainConfig
 from vime.fleet.preemption import PreemptionWatch
 from vime.fleet.requests import read_requests
 from vime.fleet.seed import delta_is_cheaper, seed_joiners, seeds_from_engine
+from vime.fleet.stats import FleetStats
 from vime.utils.collectives import broadcast_object
 
 logger = logging.getLogger(__name__)
@@ -53,19 +54,7 @@ class _Launch:
     future: Future
 
 
-@dataclass
-class FleetStats:
-    joins: int = 0
-    leaves: int = 0
-    handed_over: int = 0  # requests cancelled on a leaver and resubmitted elsewhere
-    preempted: int = 0  # engines that got a preemption notice (SIGTERM to their keeper)
-    scale_ups: int = 0  # launches fleet.scale_up asked for
-    join_to_serve_s: list[float] = field(default_factory=list)  # request -> first request sent
-    seed_s: list[float] = field(default_factory=list)  # a joiner seeded by a live engine
-    drain_s: list[float] = field(default_factory=list)  # leave request -> the engine ended
-
-
-class Fleet(PreemptionWatch):
+class Fleet:
     """Every rank: `before_sync(step)` / `after_sync()` around each step's sync."""
 
     def __init__(
@@ -94,14 +83,23 @@ class Fleet(PreemptionWatch):
         self._executor: ThreadPoolExecutor | None = None
         # Rank 0: the preemption poller and the safe point share _draining and the stats.
         self._lock = threading.Lock()
-        self._handed: set[int] = set()  # preempted engines whose requests were handed over
-        self._stop = threading.Event()
+        self._handed: set[int] = set()  # engines whose requests were handed over
         self._batch_waits: list[float] = []  # rank 0: seconds the trainer waited, per step
         self._drained_now: set[int] = set()  # rank 0: drains begun at this safe point
         self._sync_s: dict[str, list[float]] = {}  # rank 0: seconds of "full" / "delta" syncs
+        self._preemption: PreemptionWatch | None = None
         if self.rank == 0 and engines.launched and engines.config.preemption_drain_s > 0:
-            threading.Thread(target=self._poll_preemption, daemon=True,
-                             name="vime-fleet-preempt").start()  # fmt: skip
+            self._preemption = PreemptionWatch(
+                engines,
+                client,
+                watchdog,
+                self.stats,
+                self._lock,
+                drain=self._drain,
+                draining=lambda index: index in self._draining,
+                handed=self._handed,
+            )
+            self._preemption.start()
 
     # ---- every rank -------------------------------------------------------------------------
 
@@ -152,11 +150,15 @@ class Fleet(PreemptionWatch):
         if self.rank != 0:
             return None
         if self.config.fleet.seed == "auto" and not delta_is_cheaper(self._sync_s):
-            logger.info("fleet: joiners %s get a full sync (fleet.seed=auto: this job's full "
-                        "syncs were faster than its delta syncs)", joiners)  # fmt: skip
+            logger.info(
+                "fleet: joiners %s get a full sync (fleet.seed=auto: this job's full "
+                "syncs were faster than its delta syncs)",
+                joiners,
+            )
             return False
-        seconds = seed_joiners(self.config, self.engines, joiners, self.client.serving(),
-                               self.sync.weight_version)  # fmt: skip
+        seconds = seed_joiners(
+            self.config, self.engines, joiners, self.client.serving(), self.sync.weight_version
+        )
         self.stats.seed_s += seconds or []
         return seconds is not None
 
@@ -179,33 +181,25 @@ class Fleet(PreemptionWatch):
             if self.watchdog is not None:
                 self.watchdog.watch(index)
             self.stats.join_to_serve_s.append(time.monotonic() - requested_at)
-            logger.info("engine %d serves (%.1f s after it was asked for)", index, 
-                        self.stats.join_to_serve_s[-1])  # fmt: skip
+            logger.info(
+                "engine %d serves (%.1f s after it was asked for)",
+                index,
+                self.stats.join_to_serve_s[-1],
+            )
         self._admitted = []
 
     def metrics(self) -> dict[str, float]:
         """Rank 0's figures for this step's metrics row."""
         serving = len(self.client.serving()) if self.client is not None else 0
-        return {
-            "fleet/size": float(len(self.engines.active())),
-            "fleet/serving": float(serving),
-            "fleet/joins": float(self.stats.joins),
-            "fleet/leaves": float(self.stats.leaves),
-            "fleet/handed_over": float(self.stats.handed_over),
-            "fleet/preempted": float(self.stats.preempted),
-            "fleet/scale_ups": float(self.stats.scale_ups),
-            "fleet/seeded": float(len(self.stats.seed_s)),
-        }
+        return self.stats.metrics(size=len(self.engines.active()), serving=serving)
 
     def summary(self) -> dict[str, Any]:
-        stats = asdict(self.stats)
-        for key in ("join_to_serve_s", "drain_s", "seed_s"):
-            stats[key] = [round(s, 2) for s in stats[key]]
-        return {f"fleet_{key}": value for key, value in stats.items()}
+        return self.stats.summary()
 
     def close(self) -> None:
         """Rank 0: engines still launching are ended once up (the job is over)."""
-        self._stop.set()
+        if self._preemption is not None:
+            self._preemption.stop()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
         for launch in self._launches:
@@ -253,8 +247,13 @@ class Fleet(PreemptionWatch):
         if count <= 0:
             return []
         waits = ", ".join(f"{w:.2f}" for w in self._batch_waits[-policy.steps :])
-        logger.info("fleet: rollouts behind (the trainer waited %s s for its last %d batches): "
-                    "launching %d", waits, policy.steps, count)  # fmt: skip
+        logger.info(
+            "fleet: rollouts behind (the trainer waited %s s for its last %d batches): "
+            "launching %d",
+            waits,
+            policy.steps,
+            count,
+        )
         self._batch_waits = []  # the next launch needs as many slow steps again
         self.stats.scale_ups += 1
         return [self._launches[-1]] if self._launch(count) and policy.wait else []
@@ -275,12 +274,15 @@ class Fleet(PreemptionWatch):
             began = self._draining.pop(index)
             self.stats.leaves += 1
             self.stats.drain_s.append(time.monotonic() - began)
-            logger.info("engine %d left (%.1f s after it was asked to)", index, 
-                        self.stats.drain_s[-1])  # fmt: skip
+            logger.info(
+                "engine %d left (%.1f s after it was asked to)", index, self.stats.drain_s[-1]
+            )
         self._admitting = []
         self._batch_waits = []  # fleet.scale_up judges the fleet as it is now
-        described = [{**engine, "left": index in self.engines.retired}
-                     for index, engine in enumerate(self.engines.describe())]  # fmt: skip
+        described = [
+            {**engine, "left": index in self.engines.retired}
+            for index, engine in enumerate(self.engines.describe())
+        ]
         (self.run_dir / "engines.json").write_text(json.dumps(described, indent=2))
 
     def _new_requests(self, step: int) -> list[tuple[int, list[int], bool]]:
@@ -335,8 +337,12 @@ class Fleet(PreemptionWatch):
                 break
             error = launch.future.exception()
             if error is not None:  # the job goes on with the engines it has
-                logger.error("fleet: engines %d..%d did not start: %s", launch.first_index,
-                             launch.first_index + launch.count - 1, error)  # fmt: skip
+                logger.error(
+                    "fleet: engines %d..%d did not start: %s",
+                    launch.first_index,
+                    launch.first_index + launch.count - 1,
+                    error,
+                )
                 if launch is self._launches[-1]:
                     self._next_index -= launch.count  # indices stay those of the job's engines
                 continue
@@ -349,16 +355,23 @@ class Fleet(PreemptionWatch):
         """Engine `index` takes no new request from now and leaves once it holds none."""
         active = self.engines.active()
         if index not in active or index in self._draining:
-            logger.error("fleet: engine %d cannot leave: active %s, draining %s", index, active,
-                         sorted(self._draining))  # fmt: skip
+            logger.error(
+                "fleet: engine %d cannot leave: active %s, draining %s",
+                index,
+                active,
+                sorted(self._draining),
+            )
             return False
         if len(active) - len(self._draining) <= 1:
             logger.error("fleet: engine %d is the last serving engine; it stays", index)
             return False
         self.client.drain(index)
         self._draining[index] = time.monotonic()
-        logger.info("fleet: engine %d drains (%d requests in flight)", index,
-                    self.client.num_in_flight(index))  # fmt: skip
+        logger.info(
+            "fleet: engine %d drains (%d requests in flight)",
+            index,
+            self.client.num_in_flight(index),
+        )
         return True
 
     def _finished_drains(self) -> list[int]:

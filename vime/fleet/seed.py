@@ -59,8 +59,13 @@ def seed_joiners(
                 timeout_s=config.weight_sync.transfer_timeout_s,
             )
         except Exception as exc:  # noqa: BLE001 (any failure: a full sync seeds them instead)
-            logger.error("fleet: seeding engine %d from engine %d failed (%s); this step's sync "
-                         "is full for every engine", joiner, source, exc)  # fmt: skip
+            logger.error(
+                "fleet: seeding engine %d from engine %d failed (%s); this step's sync "
+                "is full for every engine",
+                joiner,
+                source,
+                exc,
+            )
             return None
         seconds.append(report.seconds)
         logger.info(

@@ -167,8 +167,11 @@ def sync_tensors(
                 local_name, layers, topology, num_local_experts, layouts
             )
             if not all(converter.maps(name) for name in full_names):
-                unmapped.append(local_name if full_names[0] == local_name else
-                                f"{local_name} (as {full_names[0]})")  # fmt: skip
+                unmapped.append(
+                    local_name
+                    if full_names[0] == local_name
+                    else f"{local_name} (as {full_names[0]})"
+                )
                 continue
             tied_copy = full_names[0] == OUTPUT_LAYER and converter.dims.tie_word_embeddings
             if tied_copy and not with_tied_copy:

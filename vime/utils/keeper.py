@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(
         run(
             cmd, args.grace_s, owner, owner_fd, args.remove_dir, args.temp_dir, args.preempt_grace_s
-        )  # fmt: skip
+        )
     )
 
 

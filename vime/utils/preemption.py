@@ -16,8 +16,11 @@ def write_notice(temp_dir: str, grace_s: float) -> None:
     with open(path + ".tmp", "w") as notice:
         notice.write(f"{time.time()} {grace_s}\n")
     os.replace(path + ".tmp", path)
-    print(f"vime keeper {os.getpid()}: SIGTERM: preemption notice; the group ends in "
-          f"{grace_s:g} s (at once on SIGINT or a second SIGTERM)", flush=True)  # fmt: skip
+    print(
+        f"vime keeper {os.getpid()}: SIGTERM: preemption notice; the group ends in "
+        f"{grace_s:g} s (at once on SIGINT or a second SIGTERM)",
+        flush=True,
+    )
 
 
 def read_notice(temp_dir: str | None) -> dict[str, float] | None:

@@ -55,8 +55,10 @@ def seed_engine(
         )
     workers = joiner.get_world_size()
     if workers != source.get_world_size():
-        raise SeedError(f"the joiner has {workers} workers, the source "
-                        f"{source.get_world_size()}: not the same engine config")  # fmt: skip
+        raise SeedError(
+            f"the joiner has {workers} workers, the source "
+            f"{source.get_world_size()}: not the same engine config"
+        )
     buckets = [
         replace(b, mode="full")
         for b in plan_buckets([(n, d, tuple(s)) for n, d, s in offer["tensors"]], bucket_bytes)
