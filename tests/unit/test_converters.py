@@ -168,6 +168,13 @@ def test_unmapped_megatron_name_and_unsupported_config(checkpoints):
     biased.attention_bias = True
     with pytest.raises(ValueError, match="attention_bias"):
         get_converter(biased)
+    # Both MoE families refuse a decoder with dense layers among the MoE ones.
+    for architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        moe, _ = checkpoints[architecture, "float32"]
+        mixed = copy.deepcopy(moe)
+        mixed.mlp_only_layers = [0]
+        with pytest.raises(ValueError, match=rf"{architecture}: only all-MoE decoders"):
+            get_converter(mixed)
 
 
 @pytest.mark.parametrize("architecture", sorted(PRESET_OF))

@@ -1,4 +1,8 @@
-"""The one HTTP helper of vime: every call has a timeout; errors name the URL and carry the body."""
+"""vime's HTTP calls to engines: every call has a timeout; errors name the URL and carry the body.
+
+The health probes (`engines.watchdog`, the server's start-up wait in `engines.server`) call
+`requests` themselves: they tell a timeout (a stalled engine) from a refused connection (a dead
+or not yet listening one), which this helper folds into one error."""
 
 from __future__ import annotations
 

@@ -122,6 +122,15 @@ class DecoderConverter:
             raise ValueError(f"{cls.architecture}: hidden_act={act!r}; only 'silu' is supported")
         if getattr(hf_config, "use_sliding_window", False):
             raise ValueError(f"{cls.architecture}: use_sliding_window=True is not supported")
+        if cls.moe:
+            # Every decoder layer must be an MoE layer (Qwen-style config names).
+            sparse_step = getattr(hf_config, "decoder_sparse_step", 1)
+            dense_layers = list(getattr(hf_config, "mlp_only_layers", None) or [])
+            if sparse_step != 1 or dense_layers:
+                raise ValueError(
+                    f"{cls.architecture}: only all-MoE decoders are supported; got "
+                    f"decoder_sparse_step={sparse_step}, mlp_only_layers={dense_layers}"
+                )
 
     @classmethod
     def moe_dims(cls, hf_config: Any) -> dict[str, Any]:

@@ -26,13 +26,6 @@ class Qwen2MoeConverter(DecoderConverter):
     @classmethod
     def check_config(cls, hf_config: Any) -> None:
         super().check_config(hf_config)
-        sparse_step = getattr(hf_config, "decoder_sparse_step", 1)
-        dense_layers = list(getattr(hf_config, "mlp_only_layers", None) or [])
-        if sparse_step != 1 or dense_layers:
-            raise ValueError(
-                f"{cls.architecture}: only all-MoE decoders are supported; got "
-                f"decoder_sparse_step={sparse_step}, mlp_only_layers={dense_layers}"
-            )
         if not getattr(hf_config, "qkv_bias", True):
             raise ValueError(f"{cls.architecture}: qkv_bias=False is not supported")
         if not getattr(hf_config, "shared_expert_intermediate_size", 0):
