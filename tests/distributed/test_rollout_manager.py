@@ -110,7 +110,7 @@ def test_labelled_weight_version_and_lag(engine, tokenizer):
 def test_thread_generates_while_caller_works(engine, tokenizer):
     config = rollout_config(max_tokens=32)
     client = GenerationClient([engine.url], token=engine.auth_token)
-    with RolloutThread(config, client=client, tokenizer=tokenizer) as rollouts:
+    with RolloutThread(RolloutManager(config, client=client, tokenizer=tokenizer)) as rollouts:
         submitted = time.time()
         future = rollouts.submit(step=2)
         assert not future.done()  # submit returns before generation

@@ -273,7 +273,9 @@ def test_pack_aligns_with_token_logprobs():
 def test_rollout_thread_overlaps_with_caller():
     client = FakeClient()
     config = RolloutConfig(prompts_path="unused", num_prompts_per_step=2, num_samples_per_prompt=2)
-    with RolloutThread(config, client=client, tokenizer=CharTokenizer(), prompts=PROMPTS) as thread:
+    with RolloutThread(
+        RolloutManager(config, client=client, tokenizer=CharTokenizer(), prompts=PROMPTS)
+    ) as thread:
         futures = [thread.submit(step) for step in range(3)]  # returns at once
         batches = [future.result(timeout=30) for future in futures]
     assert [batch.step for batch in batches] == [0, 1, 2]

@@ -186,7 +186,7 @@ def _run(
 
     from vime.engines.ray_engine import startup_bound
     from vime.engines.watchdog import EngineWatchdog
-    from vime.rl.rollout import RolloutThread
+    from vime.rl.rollout import RolloutManager, RolloutThread
 
     _pin_trainer(config, engines)
     sync = WeightSync(
@@ -218,7 +218,7 @@ def _run(
     rollouts = writer = watchdog = recovery = None
     if rank == 0:
         client = engines.client(fault_tolerant=config.engine.fault_tolerance)
-        rollouts = RolloutThread(config.rollout, client=client, tokenizer=tokenizer)
+        rollouts = RolloutThread(RolloutManager(config.rollout, client=client, tokenizer=tokenizer))
         writer = MetricsWriter(run_dir, resume=resumed is not None)
         if config.engine.fault_tolerance:
             recovery = EngineRecovery(engines.handles, client, startup_bound(config.engine))

@@ -8,8 +8,8 @@ be generated while the trainer works on batch k:
 
     manager = RolloutManager(config, client=GenerationClient(urls), tokenizer=tokenizer)
     next_batch = asyncio.create_task(manager.generate_batch(step + 1))   # in the rollout loop
-    # ... or from a synchronous trainer:
-    with RolloutThread(config, client=GenerationClient(urls), tokenizer=tokenizer) as rollouts:
+    # ... or from a synchronous trainer, the manager on a thread of its own:
+    with RolloutThread(manager) as rollouts:
         future = rollouts.submit(step + 1)      # concurrent.futures.Future[RolloutBatch]
         ...train on the previous batch, sync weights...
         batch = future.result()
@@ -208,33 +208,16 @@ class RolloutThread:
     client.
     """
 
-    def __init__(
-        self,
-        config: RolloutConfig,
-        *,
-        client: GenerationClient,
-        tokenizer: Any,
-        prompts: Sequence[PromptRecord] | None = None,
-        reward_fn: RewardFn | None = None,
-    ):
+    def __init__(self, manager: RolloutManager):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="vime-rollout", daemon=True
         )
         self._thread.start()
-        # The client's HTTP session is created on first use, so inside this thread's loop.
-        self.client = client
-
-        async def build() -> RolloutManager:
-            return RolloutManager(
-                config,
-                client=self.client,
-                tokenizer=tokenizer,
-                prompts=prompts,
-                reward_fn=reward_fn,
-            )
-
-        self.manager = asyncio.run_coroutine_threadsafe(build(), self._loop).result()
+        # Only this thread's loop uses the manager from now on: its client creates its HTTP
+        # session on first use, so inside this loop.
+        self.manager = manager
+        self.client = manager.client
         self._pending: set[concurrent.futures.Future] = set()
 
     def submit(
