@@ -83,15 +83,11 @@ def _worker(rank: int, world_size: int, port: int, job: Job, out_dir: str) -> No
     import torch.distributed as dist
     from te_names import TENamedModel
 
-    from vime.megatron.converters import get_converter
     from vime.megatron.forward import forward_logits, token_logprobs
     from vime.megatron.gather import GatherGroups, GatherPlan
     from vime.megatron.model import (
-        build_gpt_model,
+        build_from_hf,
         initialize_model_parallel,
-        load_hf_checkpoint,
-        load_hf_config,
-        pad_vocab_size,
     )
     from vime.megatron.topology import Topology
 
@@ -105,13 +101,12 @@ def _worker(rank: int, world_size: int, port: int, job: Job, out_dir: str) -> No
     groups = GatherGroups.from_parallel_state()
     result: dict = {"topology": topology, "expected_topology": expected, "cases": {}}
     for case in job.cases:
-        hf_config = load_hf_config(case.model_dir)
-        padded = pad_vocab_size(
-            hf_config.vocab_size, topology.tp_size, divisible_by=job.make_vocab_size_divisible_by
+        model, converter = build_from_hf(
+            case.model_dir,
+            topology,
+            params_dtype=getattr(torch, case.dtype),
+            vocab_divisible_by=job.make_vocab_size_divisible_by,
         )
-        converter = get_converter(hf_config, padded_vocab_size=padded)
-        model = build_gpt_model(converter, topology, params_dtype=getattr(torch, case.dtype))
-        load_hf_checkpoint(model, case.model_dir, converter=converter, topology=topology)
         view = TENamedModel(model) if case.te_names else model
         plan = GatherPlan(view, converter=converter, topology=topology)
         gathered = [
@@ -123,7 +118,7 @@ def _worker(rank: int, world_size: int, port: int, job: Job, out_dir: str) -> No
             "stage_metadata": plan.stage_metadata(),
             "layout": plan.layout,
             "names": [name for name, _ in view.named_parameters()],
-            "padded_vocab_size": padded,
+            "padded_vocab_size": converter.dims.padded_vocab_size,
         }
         if case.forward:
             input_ids = torch.tensor(job.input_ids)
@@ -131,10 +126,10 @@ def _worker(rank: int, world_size: int, port: int, job: Job, out_dir: str) -> No
             model.eval()
             with torch.no_grad():
                 case_result["logits"] = forward_logits(
-                    model, input_ids, vocab_size=hf_config.vocab_size
+                    model, input_ids, vocab_size=converter.dims.vocab_size
                 )
                 case_result["logprobs"] = token_logprobs(
-                    model, input_ids, vocab_size=hf_config.vocab_size
+                    model, input_ids, vocab_size=converter.dims.vocab_size
                 )
         result["cases"][(case.model_dir, case.dtype, case.te_names)] = case_result
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")

@@ -171,14 +171,10 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
 
     from vime.config import EngineConfig, WeightSyncConfig
     from vime.engines.vllm_engine import VLLMEngine
-    from vime.megatron.converters import get_converter
     from vime.megatron.gather import GatherGroups, gather_hf_weights
     from vime.megatron.model import (
-        build_gpt_model,
+        build_from_hf,
         initialize_model_parallel,
-        load_hf_checkpoint,
-        load_hf_config,
-        pad_vocab_size,
     )
     from vime.weight_sync.updater import WeightUpdater
 
@@ -194,11 +190,9 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
 
     def model_for(model_dir: str, dtype: str):
         if (model_dir, dtype) not in models:
-            hf_config = load_hf_config(model_dir)
-            padded = pad_vocab_size(hf_config.vocab_size, topology.tp_size, divisible_by=96)
-            converter = get_converter(hf_config, padded_vocab_size=padded)
-            model = build_gpt_model(converter, topology, params_dtype=getattr(torch, dtype))
-            load_hf_checkpoint(model, model_dir, converter=converter, topology=topology)
+            model, converter = build_from_hf(
+                model_dir, topology, params_dtype=getattr(torch, dtype), vocab_divisible_by=96
+            )
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
             models[model_dir, dtype] = (model, converter, optimizer)
         return models[model_dir, dtype]

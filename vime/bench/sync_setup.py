@@ -231,18 +231,10 @@ class Trainer:
 
 
 def build_trainer(model_dir: Path, dtype: str, topology: Any, sync_group: Any) -> Trainer:
-    from vime.megatron.converters import get_converter
     from vime.megatron.gather import GatherGroups
     from vime.megatron.model import (
-        build_gpt_model,
-        load_hf_checkpoint,
-        load_hf_config,
-        pad_vocab_size,
+        build_from_hf,
     )
 
-    hf_config = load_hf_config(model_dir)
-    padded = pad_vocab_size(hf_config.vocab_size, topology.tp_size)
-    converter = get_converter(hf_config, padded_vocab_size=padded)
-    model = build_gpt_model(converter, topology, params_dtype=getattr(torch, dtype))
-    load_hf_checkpoint(model, model_dir, converter=converter, topology=topology)
+    model, converter = build_from_hf(model_dir, topology, params_dtype=getattr(torch, dtype))
     return Trainer(model, converter, topology, GatherGroups.from_parallel_state(), sync_group)
