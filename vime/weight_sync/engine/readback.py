@@ -156,7 +156,13 @@ def served_shards(
                 served = _slice(full_name, tensor, dim, tp_rank, tp_size)
                 yield _with_digest(served, recorded, (0, tensor.shape[0]), 0)
             else:
-                yield ServedTensor(full_name, tensor, tuple(tensor.shape), None)
+                # Whole on every worker (e.g. ReplicatedLinear: an MoE router, repacked too).
+                served = ServedTensor(full_name, tensor, tuple(tensor.shape), None)
+                yield (
+                    served
+                    if recorded is None
+                    else _with_digest(served, recorded, (0, len(tensor)), 0)
+                )
 
 
 def _is_repacked(module: torch.nn.Module, param_name: str, param: torch.Tensor) -> bool:
