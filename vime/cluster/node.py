@@ -172,7 +172,9 @@ def main(argv: list[str] | None = None) -> None:
         node_name = slurm_node_name()
 
         def make_argv() -> list[str]:
-            agent_port, client_port = free_ports(address, 2)
+            # Free on every address: Ray's client server binds another one than the node's
+            # (seen: 127.0.0.1 for a node on 127.0.0.2, its port taken there).
+            agent_port, client_port = free_ports("0.0.0.0", 2)
             return ray_start_argv(
                 address=address,
                 node_name=node_name,
