@@ -100,7 +100,10 @@ class StageSend:
             for _ in gathered:  # takes part in the stage's gathers; yields nothing here
                 pass
             return
-        hasher = ThreadPoolExecutor(1, thread_name_prefix="vime-digest")
+        # Only with verification: a sync without it starts no thread.
+        hasher = None
+        if self.engine_layouts is not None:
+            hasher = ThreadPoolExecutor(1, thread_name_prefix="vime-digest")
         try:
             self._send(gathered, hasher)
             with self.timer.phase("checksum"):  # what the transfer did not hide
@@ -108,10 +111,13 @@ class StageSend:
                     self.sent[name] = future.result()
         finally:
             # No digest outlives its send: a failed one still waits for the thread to end.
-            hasher.shutdown(wait=True, cancel_futures=True)
+            if hasher is not None:
+                hasher.shutdown(wait=True, cancel_futures=True)
             self._digests = []
 
-    def _send(self, gathered: Iterator[tuple[str, torch.Tensor]], hasher: ThreadPoolExecutor):
+    def _send(
+        self, gathered: Iterator[tuple[str, torch.Tensor]], hasher: ThreadPoolExecutor | None
+    ) -> None:
         transport = self.transport
         assert transport is not None
         calls = [e.update_weights for e in self.engines]
@@ -149,10 +155,11 @@ class StageSend:
             dtype = self.casts.get(name)
             yield name, tensor if dtype is None else tensor.to(dtype)
 
-    def _record(self, tensors: dict[str, torch.Tensor], hasher: ThreadPoolExecutor) -> None:
-        """With verification: each distinct (dtype, slice) some engine worker serves of each
-        tensor, digested once, on `hasher`'s thread (nothing writes the gathered tensors)."""
-        if self.engine_layouts is None:
+    def _record(self, tensors: dict[str, torch.Tensor], hasher: ThreadPoolExecutor | None) -> None:
+        """With verification (`hasher` then exists): each distinct (dtype, slice) some engine
+        worker serves of each tensor, digested once, on `hasher`'s thread (nothing writes the
+        gathered tensors)."""
+        if hasher is None or self.engine_layouts is None:
             return
         for name, tensor in tensors.items():
             targets = {layout[name] for workers in self.engine_layouts for layout in workers}
