@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))  # run as a script from a checkout: vime is the repo's own
+
+from vime.train import torchrun_command  # noqa: E402
+
 CONFIG = REPO_ROOT / "configs" / "tiny_cpu_async_gloo.yaml"
 STEPS = 3
 
@@ -105,12 +108,6 @@ def overrides(case: Case, device: str, run_dir: Path) -> list[str]:
     return items
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def check(run_dir: Path) -> str | None:
     """What is wrong with a finished case's run, or None."""
     metrics = run_dir / "metrics.jsonl"
@@ -132,22 +129,7 @@ def check(run_dir: Path) -> str | None:
 def run_case(case: Case, device: str, work: Path, timeout_s: float) -> dict:
     run_dir = work / case.name / "run"
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(case.nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(_free_port()),
-        "-m",
-        "vime.train",
-        "--config",
-        str(CONFIG),
-        *overrides(case, device, run_dir),
-    ]
+    command = torchrun_command(CONFIG, *overrides(case, device, run_dir), nproc=case.nproc)
     log = run_dir.parent / "job.log"
     started = time.monotonic()
     with open(log, "w") as out:

@@ -18,12 +18,36 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from vime.config import TrainConfig, load_config
 from vime.job.abort import abort
 from vime.job.preflight import preflight
 from vime.utils.lifetime import watch_parent
 from vime.utils.quiet import quiet_known_warnings
+
+
+def torchrun_command(config: str | Path, *overrides: str, nproc: int = 1) -> list[str]:
+    """`torchrun -m vime.train` for a job on this host (rendezvous on a free loopback port), run by
+    this interpreter: what tests, benchmarks and tools start jobs with."""
+    from vime.utils.net import free_port
+
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "vime.train",
+        "--config",
+        str(config),
+        *overrides,
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:

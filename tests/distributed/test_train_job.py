@@ -13,14 +13,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from vime.utils.net import free_port
+from vime.train import torchrun_command
 
 pytestmark = pytest.mark.distributed
 
@@ -29,25 +28,14 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def job_command(config: str, run_dir: Path, model_dir: Path, *overrides: str, nproc: int = 1):
     """torchrun -m vime.train on a repo config, with the test's run dir and model."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "vime.train",
-        "--config",
-        str(REPO_ROOT / "configs" / config),
+    return torchrun_command(
+        REPO_ROOT / "configs" / config,
         f"run_dir={run_dir}",
         f"engine.model_path={model_dir}",
         "model.preset=null",
         *overrides,
-    ]
+        nproc=nproc,
+    )
 
 
 def run_job(

@@ -13,11 +13,10 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from vime.utils.net import free_port
+from vime.train import torchrun_command
 from vime.utils.process_group import group_members, mapped_shm_files
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -77,20 +76,8 @@ class BackgroundJob:
     def __init__(self, tmp_path: Path, model_dir: Path, *overrides: str, nproc: int = 1):
         self.run_dir = tmp_path / "run"
         self.log_path = tmp_path / "job.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-            "-m",
-            "vime.train",
-            "--config",
-            str(REPO_ROOT / "configs" / "tiny_cpu_async.yaml"),
+        cmd = torchrun_command(
+            REPO_ROOT / "configs" / "tiny_cpu_async.yaml",
             f"run_dir={self.run_dir}",
             f"engine.model_path={model_dir}",
             "model.preset=null",
@@ -100,7 +87,8 @@ class BackgroundJob:
             "rollout.max_tokens=64",
             "eval.prompts_path=null",
             *overrides,
-        ]
+            nproc=nproc,
+        )
         self.shm_before = set(os.listdir("/dev/shm"))
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
         self.process = subprocess.Popen(

@@ -20,7 +20,7 @@ import pytest
 import torch
 from job_harness import REPO_ROOT, BackgroundJob, wait_for
 
-from vime.utils.net import free_port
+from vime.train import torchrun_command
 
 pytestmark = pytest.mark.faults
 
@@ -59,20 +59,8 @@ def test_killed_job_resumes_from_its_checkpoint(tmp_path, tiny_model_dir):
     finally:
         job.stop()
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "1",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "vime.train",
-        "--config",
-        str(REPO_ROOT / "configs" / "tiny_cpu_async.yaml"),
+    cmd = torchrun_command(
+        REPO_ROOT / "configs" / "tiny_cpu_async.yaml",
         f"run_dir={tmp_path / 'run'}",
         f"engine.model_path={tiny_model_dir}",
         "model.preset=null",
@@ -83,7 +71,7 @@ def test_killed_job_resumes_from_its_checkpoint(tmp_path, tiny_model_dir):
         "eval.prompts_path=null",
         *common,
         "checkpoint.resume=true",
-    ]
+    )
     resumed = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-6000:]
     assert "resumed from" in resumed.stderr and "step_2" in resumed.stderr

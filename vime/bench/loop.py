@@ -22,7 +22,7 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
-from vime.utils.net import free_port
+from vime.train import torchrun_command
 
 DEFAULT_CONFIG = "configs/bench_loop_cpu.yaml"
 
@@ -52,25 +52,9 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 def run_job(config: str, loop: str, run_dir: Path, steps: int, overrides: list[str]) -> float:
     """Run one job to the end; its wall time in seconds. Raises if it fails."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "1",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "vime.train",
-        "--config",
-        config,
-        f"loop={loop}",
-        f"num_steps={steps}",
-        f"run_dir={run_dir}",
-        *overrides,
-    ]
+    command = torchrun_command(
+        config, f"loop={loop}", f"num_steps={steps}", f"run_dir={run_dir}", *overrides
+    )
     log_path = run_dir.parent / f"{loop}.log"
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
