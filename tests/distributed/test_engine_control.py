@@ -234,9 +234,11 @@ def test_wait_pause_returns_after_running_requests_finish(engine):
 
     async def run():
         base = server_generated_tokens(url)
+        first_tokens = FirstTokens()
         async with GenerationClient([url], token=TOKEN) as client:
-            tasks = start_streams(client, sampling=sampling, on_tokens=None)
-            await asyncio.sleep(0.5)
+            tasks = start_streams(client, sampling=sampling, on_tokens=first_tokens)
+            # Every request is running (it streamed a token) before the pause: all must finish.
+            await first_tokens.wait(NUM_STREAMING)
             await asyncio.to_thread(engine.pause_generation, "wait", False)
             generated_at_return = server_generated_tokens(url) - base
             results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
@@ -307,13 +309,33 @@ def test_two_ray_engines_pause_and_resume_concurrently(ray_engines):
             [actor.pause_generation.remote("keep", False) for actor in actors], timeout=60
         )
 
+    # The gate: each engine gets NUM_STREAMING requests and is paused (keep) the moment all of
+    # them have streamed a token, so no request can finish before the pause however unevenly
+    # the two engines run on a loaded machine. The concurrent pause below then finds both paused.
+    seen: list[set[str]] = [set() for _ in urls]
+    gates: list = [None for _ in urls]
+
+    def on_tokens(result) -> None:
+        index = urls.index(result.engine_url)
+        if result.token_ids:
+            seen[index].add(result.request_id)
+        if len(seen[index]) == NUM_STREAMING and gates[index] is None:
+            gates[index] = actors[index].pause_generation.remote("keep", False)
+
     async def run():
-        first_tokens = FirstTokens()
         async with GenerationClient(urls, token=TOKEN) as client:
-            tasks = start_streams(
-                client, num_requests=2 * NUM_STREAMING, sampling=sampling, on_tokens=first_tokens
-            )
-            await first_tokens.wait(2 * NUM_STREAMING)
+            tasks = [
+                asyncio.create_task(
+                    client.generate(PROMPT + [i], sampling, engine_index=index, on_tokens=on_tokens)
+                )
+                for index in range(len(urls))
+                for i in range(NUM_STREAMING)
+            ]
+            deadline = time.monotonic() + 120
+            while any(gate is None for gate in gates):
+                assert time.monotonic() < deadline, f"requests produced no tokens: {seen}"
+                await asyncio.sleep(0.001)
+            await asyncio.to_thread(ray.get, gates, timeout=60)
             await asyncio.to_thread(pause_all)
             at_pause = [server_generated_tokens(url) for url in urls]
             paused = ray.get([actor.is_paused.remote() for actor in actors], timeout=60)
@@ -331,7 +353,9 @@ def test_two_ray_engines_pause_and_resume_concurrently(ray_engines):
     paused, at_pause, after_wait, results = asyncio.run(run())
     assert paused == [True, True]
     assert after_wait == at_pause
-    assert {r.engine_url for r in results} == set(urls), "requests were not spread over engines"
+    assert [urls.index(r.engine_url) for r in results] == [
+        index for index in range(len(urls)) for _ in range(NUM_STREAMING)
+    ]
     assert all(len(r.token_ids) == sampling.max_tokens and not r.aborted for r in results)
     runs = [(urls.index(r.engine_url), version_runs(r.weight_versions)) for r in results]
     assert all(len(run) == 2 and run[-1][0] == "v-resumed" for _, run in runs), runs

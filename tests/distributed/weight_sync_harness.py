@@ -36,8 +36,6 @@ SWITCH_CHECK_TOKENS = 48  # continuation tokens compared with HF after a clear_c
 GREEDY_TOKENS = 12
 PROMPT_IDS = (11, 22, 33, 44, 55)
 INFLIGHT_TOKENS = 2000  # the most max_model_len 2048 allows: the pause lands mid-request
-INFLIGHT_ATTEMPTS = 3  # syncs tried per in-flight step before its test sees the request outrun
-REPEAT_VERSION = 1000  # versions 1002, 1003 mark the engines between repeated in-flight attempts
 
 
 @dataclass(frozen=True)
@@ -261,42 +259,32 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
         last_sender = updater.is_sender and topology.pp_rank == topology.pp_size - 1
         if (step.fail_in_send or step.kill_in_send) and last_sender:
             _break_after_first_bucket(updater, kill=step.kill_in_send)
-        # A step with a request in flight needs the pause to land while the request runs. On a
-        # loaded machine the request can outrun the sync's pause (all its tokens then carry the
-        # old version): a full sync that cannot fail is then repeated (same weights, same
-        # version) with a new request, at most INFLIGHT_ATTEMPTS times, every rank together; the
-        # record says how many. A delta or a failing step changes state: it is not repeated.
-        # Before a repeat the engines are moved to another version (same weights), so that the
-        # repeat's tokens before the pause carry a version other than the step's.
-        repeatable = not (step.delta or step.fail_in_send or step.kill_in_send)
-        for attempt in range(1, INFLIGHT_ATTEMPTS + 1):
-            if attempt > 1:
-                updater.update_weights(version=REPEAT_VERSION + attempt)
-            inflight = None
-            if rank == 0 and step.inflight:
-                inflight = InflightRequest(step.engine_urls[0])
-                inflight.wait_started()
-            try:
-                record["report"] = updater.update_weights(version=step.version)
-            except Exception as exc:
-                if not step.fail_in_send:
-                    raise
-                record["error"] = f"{type(exc).__name__}: {exc}"
-                record["error_phase"] = getattr(exc, "phase", None)
-            outran = False
-            if inflight is not None:
-                result = inflight.join()
-                record["inflight"] = {
-                    "token_ids": result.token_ids,
-                    "weight_versions": result.weight_versions,
-                    "finish_reason": result.finish_reason,
-                    "attempts": attempt,
-                }
-                outran = str(step.version) not in result.weight_versions
-            flag = torch.tensor([int(outran)])
-            dist.broadcast(flag, src=0)
-            if not flag.item() or not repeatable or attempt == INFLIGHT_ATTEMPTS:
-                break
+        # A step with a request in flight needs the pause to land while the request runs. The
+        # test holds the gate: once the request has streamed its first tokens, rank 0 pauses its
+        # engine (keep) before the sync starts, so the request cannot finish on the old weights
+        # however slow the gather is on a loaded machine; the sync's own keep pause finds the
+        # engine paused (idempotent) and its resume releases the request on the new weights.
+        inflight = None
+        if rank == 0 and step.inflight:
+            inflight = InflightRequest(step.engine_urls[0])
+            inflight.wait_started()
+            gate = VLLMEngine(engine_config, url=step.engine_urls[0])
+            gate.init()
+            gate.pause_generation(mode="keep", clear_cache=False)
+        try:
+            record["report"] = updater.update_weights(version=step.version)
+        except Exception as exc:
+            if not step.fail_in_send:
+                raise
+            record["error"] = f"{type(exc).__name__}: {exc}"
+            record["error_phase"] = getattr(exc, "phase", None)
+        if inflight is not None:
+            result = inflight.join()
+            record["inflight"] = {
+                "token_ids": result.token_ids,
+                "weight_versions": result.weight_versions,
+                "finish_reason": result.finish_reason,
+            }
         # The weights just synced, exported by a separate gather (not through the updater).
         exported = {
             name: tensor.clone()

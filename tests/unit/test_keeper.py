@@ -37,7 +37,7 @@ OWNER = """
 import sys, time
 from vime.utils.keeper import spawn_kept
 keeper = spawn_kept([sys.executable, "-c", sys.argv[1], sys.argv[2]], grace_s=1.0)
-print(keeper.pid, flush=True)
+print("keeper pid", keeper.pid, flush=True)
 time.sleep(300)
 """
 
@@ -65,11 +65,12 @@ def _temp_dir(log_path) -> str:
     return line.split()[-1]
 
 
-def _started(pgid: int, shm_path: str) -> None:
-    # keeper, fake server, its stuck child; and the segment mapped
+def _started(pgid: int, shm_path: str, log_path) -> None:
+    # keeper, fake server, its stuck child; the segment mapped, and noted by the keeper (its log
+    # says so): only a noted segment is unlinked when the group ends.
     _wait(lambda: len(group_members(pgid)) == 3 and mapped_shm_files(group_members(pgid)), 30)
     assert mapped_shm_files(group_members(pgid)) == {shm_path}
-    time.sleep(1.5)  # the keeper notes mapped segments once a second
+    _wait(lambda: f"will unlink ['{shm_path}']" in log_path.read_text(), 30)
 
 
 def _fake_server(shm_path: str, tmp_path, **kwargs) -> tuple:
@@ -81,13 +82,14 @@ def _fake_server(shm_path: str, tmp_path, **kwargs) -> tuple:
     return keeper, ServerProcess(process=keeper, url="http://unused", log_path=tmp_path / "log")
 
 
-def test_owner_sigkill_ends_group_and_unlinks_segments(shm_path):
-    owner = subprocess.Popen(
-        [sys.executable, "-c", OWNER, FAKE_SERVER, shm_path], stdout=subprocess.PIPE, text=True
-    )
+def test_owner_sigkill_ends_group_and_unlinks_segments(shm_path, tmp_path):
+    log_path = tmp_path / "owner.log"
+    with open(log_path, "w") as log:  # the owner's and its keeper's output
+        owner = subprocess.Popen([sys.executable, "-c", OWNER, FAKE_SERVER, shm_path], stdout=log)
     try:
-        pgid = int(owner.stdout.readline())
-        _started(pgid, shm_path)
+        _wait(lambda: "keeper pid" in log_path.read_text(), 30)
+        pgid = int(log_path.read_text().split("keeper pid ", 1)[1].split()[0])
+        _started(pgid, shm_path, log_path)
         os.kill(owner.pid, signal.SIGKILL)
         owner.wait()
         # grace 1 s, then SIGKILL for the child that ignores SIGTERM
@@ -101,7 +103,7 @@ def test_owner_sigkill_ends_group_and_unlinks_segments(shm_path):
 def test_server_sigkill_ends_its_orphans(shm_path, tmp_path):
     keeper, server = _fake_server(shm_path, tmp_path)
     try:
-        _started(keeper.pid, shm_path)
+        _started(keeper.pid, shm_path, tmp_path / "log")
         os.kill(server.server_pid(), signal.SIGKILL)
         took = _wait(lambda: keeper.poll() is not None, 10)
         assert group_members(keeper.pid) == []
@@ -117,7 +119,7 @@ def test_server_sigkill_ends_its_orphans(shm_path, tmp_path):
 
 def test_stop_ends_group_and_unlinks_segments(shm_path, tmp_path):
     keeper, server = _fake_server(shm_path, tmp_path)
-    _started(keeper.pid, shm_path)
+    _started(keeper.pid, shm_path, tmp_path / "log")
     server.stop(grace_s=1)
     assert group_members(keeper.pid) == []
     assert not os.path.exists(shm_path)
@@ -126,7 +128,7 @@ def test_stop_ends_group_and_unlinks_segments(shm_path, tmp_path):
 
 def test_keeper_sigkill_takes_the_server_with_it(shm_path, tmp_path):
     keeper, server = _fake_server(shm_path, tmp_path)
-    _started(keeper.pid, shm_path)
+    _started(keeper.pid, shm_path, tmp_path / "log")
     server_pid = server.server_pid()
     os.kill(keeper.pid, signal.SIGKILL)
     keeper.wait()
@@ -143,7 +145,7 @@ def test_sigterm_with_preempt_grace_is_a_notice_then_the_group_ends(shm_path, tm
     a notice the job reads; the group ends when the grace is over."""
     keeper, server = _fake_server(shm_path, tmp_path, preempt_grace_s=3)
     try:
-        _started(keeper.pid, shm_path)
+        _started(keeper.pid, shm_path, tmp_path / "log")
         assert server.preemption_notice() is None
         os.kill(keeper.pid, signal.SIGTERM)
         _wait(lambda: server.preemption_notice() is not None, 5)
@@ -162,7 +164,7 @@ def test_sigterm_with_preempt_grace_is_a_notice_then_the_group_ends(shm_path, tm
 def test_stop_ends_a_preemptible_group_at_once(shm_path, tmp_path):
     """vime's own stop (SIGINT) is never taken for a preemption notice."""
     keeper, server = _fake_server(shm_path, tmp_path, preempt_grace_s=300)
-    _started(keeper.pid, shm_path)
+    _started(keeper.pid, shm_path, tmp_path / "log")
     began = time.monotonic()
     server.stop(grace_s=1)
     assert time.monotonic() - began < 10

@@ -224,7 +224,13 @@ def run(
     while True:
         if polls % SEGMENT_SCAN_EVERY == 0:
             # Segments of members that die later (a SIGKILLed api_server) stay known.
-            seen_segments |= mapped_shm_files(group_members(os.getpgrp()))
+            new_segments = mapped_shm_files(group_members(os.getpgrp())) - seen_segments
+            if new_segments:
+                seen_segments |= new_segments
+                print(
+                    f"vime keeper {os.getpid()}: will unlink {sorted(new_segments)} at the end",
+                    flush=True,
+                )
         polls += 1
         if stop_signal:
             reason = f"signal {signal.Signals(stop_signal[0]).name}"
