@@ -368,7 +368,7 @@ class WeightSync:
     def reconnect(self, keep_delta: bool = False) -> None:
         """Rebuild the transports to the fleet's engines (one restarted, joined or left: groups,
         rank offsets); collective. The next sync is full, unless `keep_delta` (every engine
-        holds the last sync's tensors: engines left, or joiners were seeded by a live one)."""
+        holds the last sync's tensors: engines left, or joiners got a live one's weights)."""
         self.updater.close()
         self.updater.engines = self.engines.active_handles()
         self.updater.connect(keep_delta=keep_delta)

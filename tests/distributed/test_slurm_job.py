@@ -5,7 +5,7 @@ the one vLLM CPU engine; the weights cross by gloo broadcast from the trainer's 
 binds to and talks over those loopback addresses only. The engine on the other node dies once
 (EngineCore SIGKILLed after the first step) and, with fault tolerance, is restarted there, synced
 (checksums) and serves again: the faults tier's engine on another node. A second engine joins
-on vime-n2 while the job runs, seeded engine to engine (the elastic fleet across nodes).
+on vime-n2 while the job runs, its weights copied engine to engine (the elastic fleet across nodes).
 vime-n2's first `ray start` fails (as when GCS cannot find a new node) and is retried.
 """
 
@@ -90,12 +90,13 @@ def test_two_node_slurm_job_trains_on_one_node_and_serves_on_the_other(
             f"num_steps={num_steps}",
             "weight_sync.verify_checksums=true",
             "engine.fault_tolerance=true",
-            # The fleet across nodes: a second engine joins on vime-n2 at step 2, seeded by
-            # engine 0 (a rendezvous on vime-n1, the bytes between the engines on vime-n2).
+            # The fleet across nodes: a second engine joins on vime-n2 at step 2, its weights
+            # copied from engine 0 (a rendezvous on vime-n1, the bytes between the engines on
+            # vime-n2).
             "weight_sync.transport.delta=true",
             "fleet.schedule=[{step: 2, join: 1, wait: true}]",
             "fleet.max_engines=2",
-            "fleet.seed=engine",
+            "fleet.first_weights=engine",
             "cluster.engine_num_cpus=0.5",
             "rollout.num_prompts_per_step=4",
             "rollout.num_samples_per_prompt=4",
@@ -177,12 +178,12 @@ def test_two_node_slurm_job_trains_on_one_node_and_serves_on_the_other(
     assert re.search(rf"restarting engine 0 \(engine 0 at {engine_url} is dead", trainer), trainer
     assert "fault tolerance: engine 0 serves again" in trainer
     assert rows[-1]["fault/engine_restarts"] == 1.0
-    # The joiner: seeded by engine 0 at a safe point, then that step's sync was a delta for
+    # The joiner: engine 0's weights copied at a safe point, then that step's sync was a delta for
     # both engines (checked by checksums, like every sync), then it served.
-    assert (rows[-1]["fleet/joins"], rows[-1]["fleet/seeded"]) == (1.0, 1.0)
+    assert (rows[-1]["fleet/joins"], rows[-1]["fleet/peer_copied"]) == (1.0, 1.0)
     joined = next(row for row in rows if row["fleet/size"] == 2.0)
     assert joined["sync/delta"] == 1.0 and joined["sync/verified"] == 1.0
-    assert re.search(r"engine 1 seeded from engine 0 as version \d+: .* checksums equal", trainer)
+    assert re.search(r"engine 1 copied from engine 0 as version \d+: .* checksums equal", trainer)
     assert "engine 1 serves" in trainer
     for name in ("metrics.png", "summary.txt", "config.resolved.json"):
         assert (run_dir / name).exists(), name

@@ -103,7 +103,7 @@ def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny
         # Rollouts "behind" at any wait: two steps in, the policy launches up to max_engines.
         "fleet.scale_up={wait_s: 0.0, steps: 2, add: 2, wait: true}",
         "fleet.max_engines=3",
-        "fleet.seed=engine",  # not auto: which way is cheaper on this machine is timing
+        "fleet.first_weights=engine",  # not auto: which way is cheaper on this machine is timing
         "fleet.schedule=[{step: 2, leave: [0]}]",
         "engine.preemption_drain_s=120",
         "cluster.engine_num_cpus=0.5",  # three engines on the local Ray node's 2 CPUs
@@ -111,7 +111,8 @@ def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny
     )
     assert [row["step"] for row in rows] == list(range(num_steps))
     metrics = rows
-    # The fleet: engines 1 and 2 were seeded by engine 0 (fleet.seed=engine: checksums equal),
+    # The fleet: engines 1 and 2 got engine 0's weights (fleet.first_weights=engine: checksums
+    # equal),
     # took step 1's sync (a delta, like every other engine's) and then served.
     # Engine 0 drained from step 2, engine 2 from its notice (no new request for either; what
     # they held finished there), each leaving at the first safe point after its last request.
@@ -124,14 +125,14 @@ def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny
     assert (last["fleet/joins"], last["fleet/leaves"], last["fleet/preempted"]) == (2, 2, 1)
     assert last["fleet/scale_ups"] == 1  # once: max_engines, then a fleet too new to judge
     assert last["fleet/handed_over"] == 0
-    # Groups were rebuilt at each change, yet every RL sync is a delta: the joiners were seeded
+    # Groups were rebuilt at each change, yet every RL sync is a delta: the joiners got a peer copy
     # with the tensors the others hold, leavers take none with them.
-    assert last["fleet/seeded"] == 2
+    assert last["fleet/peer_copied"] == 2
     assert [m["sync/delta"] for m in metrics] == [1.0] * num_steps, metrics
     assert [m["sync/delta_repaired"] for m in metrics] == [0.0] * num_steps
     summary = json.loads((run_dir / "summary.json").read_text())
     assert len(summary["fleet_join_to_serve_s"]) == 2 and len(summary["fleet_drain_s"]) == 2
-    assert len(summary["fleet_seed_s"]) == 2
+    assert len(summary["fleet_peer_copy_s"]) == 2
     # Engine 2 left because the job drained it (vime's stop, SIGINT), within its 120 s grace.
     engine2 = (run_dir / "engines" / "vllm-engine-2.log").read_text()
     assert "preemption notice" in engine2 and "signal SIGINT; ending process group" in engine2
@@ -157,8 +158,8 @@ def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny
         if "train/logprob_diff_same_version" in m
     ]
     assert same and max(same) < 1e-4, same
-    fingerprints = [m["train/param_fingerprint"] for m in metrics]
-    assert len(set(fingerprints)) == num_steps, "weights did not change every step"
+    weight_l1 = [m["train/weight_l1"] for m in metrics]
+    assert len(set(weight_l1)) == num_steps, "weights did not change every step"
     # Every request came back whole: no sample lost, none retried after an abort.
     assert all(m["rollout/num_samples"] == 16 for m in metrics)
     assert all(m["rollout/aborted_retries"] == 0 for m in metrics)

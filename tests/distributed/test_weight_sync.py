@@ -282,13 +282,13 @@ def test_sender_killed_mid_delta_leaves_the_previous_weights_then_a_full_sync(
     assert not record["engines"][0]["is_paused"]
 
 
-def test_a_live_engine_seeds_a_joiner_exactly(servers, model_dir, tmp_path_factory):
-    """A fleet joiner's seed (vime.weight_sync.seed), engine to engine: A holds the trainer's
-    version 61 as delta baseline (a full sync, then a delta); it sends it to B (the shm
-    backend: the seed needs neither the joiner's backend nor the trainer), which then serves
-    the trainer's weights bit for bit under A's version label, and keeps them as its own
-    baseline (B can seed in turn)."""
-    from vime.weight_sync.seed import seed_engine
+def test_a_live_engine_copies_its_weights_to_a_joiner_exactly(servers, model_dir, tmp_path_factory):
+    """A fleet joiner's first weights (vime.weight_sync.peer_copy), engine to engine: A holds
+    the trainer's version 61 as delta baseline (a full sync, then a delta); it sends it to B
+    (the shm backend: the copy needs neither the joiner's backend nor the trainer), which then
+    serves the trainer's weights bit for bit under A's version label, and keeps them as its own
+    baseline (B can be a source in turn)."""
+    from vime.weight_sync.peer_copy import copy_from_peer
 
     a = (servers["A"],)
     job = SyncJob(
@@ -298,12 +298,12 @@ def test_a_live_engine_seeds_a_joiner_exactly(servers, model_dir, tmp_path_facto
             SyncStep("gloo", a, version=61, delta=True, changed_fraction=0.05),
         ),
     )
-    records, exported = run_sync_job(job, 1, tmp_path_factory.mktemp("seed"))
+    records, exported = run_sync_job(job, 1, tmp_path_factory.mktemp("peer-copy"))
     assert records[1]["report"].delta == "delta"
     config = EngineConfig(model_path=model_dir, auth_token=TOKEN)
     source, joiner = (VLLMEngine(config, url=servers[name]) for name in ("A", "B"))
     source.init(), joiner.init()
-    report = seed_engine(
+    report = copy_from_peer(
         source, joiner, address="127.0.0.1", version=61, bucket_bytes=1 << 20, timeout_s=60
     )
     assert report.bytes >= sum(t.nbytes for t in exported[1].values())
@@ -313,7 +313,7 @@ def test_a_live_engine_seeds_a_joiner_exactly(servers, model_dir, tmp_path_facto
     }
     assert served_differences(served, exported[1]) == []
     assert joiner.get_weight_version() == "61" and not joiner.is_paused()
-    (offer,) = joiner.collective_rpc("vime_seed_source")
+    (offer,) = joiner.collective_rpc("vime_peer_copy_source")
     assert offer["valid"] and len(offer["tensors"]) == len(exported[1])
 
 

@@ -102,7 +102,7 @@ def test_killed_job_resumes_from_its_checkpoint(tmp_path, tiny_model_dir):
 
     tensors = load_file(out / "model.safetensors")
     total = sum(float(t.double().abs().sum()) for t in tensors.values())
-    assert total == pytest.approx(rows[-1]["train/param_fingerprint"], rel=1e-9)
+    assert total == pytest.approx(rows[-1]["train/weight_l1"], rel=1e-9)
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     prompt = torch.tensor([[5, 17, 42, 7]])
     generated = model.generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False)

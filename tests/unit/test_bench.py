@@ -218,27 +218,29 @@ def test_delta_table_gives_medians_per_lr():
     assert second == "| 1e-05 | 1 | 50.0000% | 50.0 MB | 100.0 MB | 1.000 | 0.500 | 0.700 |"
 
 
-def test_seed_table_gives_medians_of_the_join_steps():
-    """`vime bench-sync --seed`'s table: the trainer's full sync against the engine's seed
+def test_peer_copy_table_gives_medians_of_the_join_steps():
+    """`vime bench-sync --peer-copy`'s table: the trainer's full sync against the engine's peer copy
     and the delta after it, medians of n steps."""
-    from vime.bench.seed import format_seed
+    from vime.bench.peer_copy import format_peer_copy
 
     def step(scale: float) -> dict:
         return dict(
             changed_fraction=0.01 * scale,
             full_s=1.0 * scale,
             full_bytes=2e8,
-            seed_s=0.3 * scale,
-            seed_send_s=0.1 * scale,
-            seed_bytes=2e8,
+            peer_copy_s=0.3 * scale,
+            peer_copy_send_s=0.1 * scale,
+            peer_copy_bytes=2e8,
             delta_s=0.2 * scale,
             delta_bytes=4e6,
         )
 
     figures = {"preset": "p", "dtype": "bfloat16", "transport": "shm", "lr": 1e-6}
-    table = format_seed({**figures, "steps": [step(1), step(2), step(30)]}).splitlines()
+    table = format_peer_copy({**figures, "steps": [step(1), step(2), step(30)]}).splitlines()
     assert "medians of 3 steps" in table[0] and "2.00% of elements changed" in table[0]
     assert table[3] == "| trainer | full sync, both engines paused | 2.000 | 200.0 MB |"
-    assert table[4].startswith("| engine | seed (engine to engine, checksums compared) | 0.600 ")
+    assert table[4].startswith(
+        "| engine | peer copy (engine to engine, checksums compared) | 0.600 "
+    )
     assert "sends for 0.200; 200.0 MB) | 0 |" in table[4]
     assert table[5].endswith("| 0.400 | 4.0 MB |")

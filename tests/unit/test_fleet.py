@@ -118,19 +118,20 @@ def test_scale_up_asks_for_engines_only_after_enough_slow_steps_in_a_row():
         ScaleUpPolicy(wait_s=1.0, steps=0)
 
 
-def test_auto_seed_follows_what_was_cheaper_in_this_job():
-    """fleet.seed=auto seeds from a live engine (the join step's sync stays a delta) unless the
-    job's full syncs were faster than its delta syncs (medians), as on a 2-core CPU host."""
-    from vime.fleet.seed import delta_is_cheaper, seeds_from_engine
+def test_auto_first_weights_follow_what_was_cheaper_in_this_job():
+    """fleet.first_weights=auto copies a live engine's weights (the join step's sync stays a
+    delta) unless the job's full syncs were faster than its delta syncs (medians), as on a 2-core
+    CPU host."""
+    from vime.fleet.first_weights import copies_from_peer, delta_is_cheaper
 
     assert delta_is_cheaper({}) and delta_is_cheaper({"full": [2.0]})
     assert delta_is_cheaper({"full": [2.1, 9.0, 2.0], "delta": [0.4, 0.5]})
     assert not delta_is_cheaper({"full": [2.1], "delta": [4.0, 3.3, 5.7]})
     base = {"engine": {"model_path": "/m"}, "rollout": {"prompts_path": "p.jsonl"}}
     shm_delta = {"transport": {"kind": "shm", "delta": True}}
-    assert seeds_from_engine(TrainConfig(**base, weight_sync=shm_delta))
-    assert not seeds_from_engine(TrainConfig(**base, weight_sync={"transport": "shm"}))
-    trainer_way = TrainConfig(**base, weight_sync=shm_delta, fleet={"seed": "trainer"})
-    assert not seeds_from_engine(trainer_way)
-    with pytest.raises(pydantic.ValidationError, match="seed"):
-        TrainConfig(**base, fleet={"seed": "peer"})
+    assert copies_from_peer(TrainConfig(**base, weight_sync=shm_delta))
+    assert not copies_from_peer(TrainConfig(**base, weight_sync={"transport": "shm"}))
+    trainer_way = TrainConfig(**base, weight_sync=shm_delta, fleet={"first_weights": "trainer"})
+    assert not copies_from_peer(trainer_way)
+    with pytest.raises(pydantic.ValidationError, match="first_weights"):
+        TrainConfig(**base, fleet={"first_weights": "peer"})

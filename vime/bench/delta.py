@@ -65,7 +65,7 @@ def sync_seconds(report: Any) -> float:
 
 
 def bf16_trainer(args: argparse.Namespace, topology: Any, sync_group: Any) -> tuple[Path, Any]:
-    """(the bf16 checkpoint of --preset, a one-rank trainer on it) for --delta and --seed."""
+    """(the bf16 checkpoint of --preset, a one-rank trainer on it) for --delta and --peer-copy."""
     from vime.bench.sync_setup import build_bench_model, build_trainer, unpin
 
     model_dir = Path(args.model_root) / f"bench-{args.preset}-bfloat16"

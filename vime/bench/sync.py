@@ -260,10 +260,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "uses the first of --transports",
     )
     parser.add_argument(
-        "--seed",
+        "--peer-copy",
         action="store_true",
-        help="a fleet joiner seeded by the trainer (a full sync) vs by a live engine and a "
-        "delta (vime.bench.seed); two engines, the first of --transports and --delta-lrs",
+        help="a fleet joiner's first weights from the trainer (a full sync) vs copied from a live "
+        "engine and a delta (vime.bench.peer_copy); two engines, the first of --transports "
+        "and --delta-lrs",
     )
     parser.add_argument("--delta-lrs", type=float, nargs="+", default=[1e-6, 1e-5])
     parser.add_argument("--delta-steps", type=int, default=5, help="optimizer steps per lr")
@@ -311,10 +312,10 @@ def main(argv: list[str] | None = None) -> list[DtypeResult]:
             )
         topology = initialize_model_parallel(tp=args.tp, pp=1, timeout=timedelta(minutes=15))
         sync_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=15))
-        if args.seed:
-            from vime.bench.seed import bench_seed
+        if args.peer_copy:
+            from vime.bench.peer_copy import bench_peer_copy
 
-            bench_seed(args, topology, sync_group)
+            bench_peer_copy(args, topology, sync_group)
             return []
         if args.delta:
             from vime.bench.delta import bench_delta

@@ -54,9 +54,9 @@ class FleetConfig(StrictModel):
 
     Changes come from `schedule`, from `scale_up` and from `vime fleet join|leave --run-dir DIR`
     (requests the job reads at each step's safe point). A joiner starts in the background while
-    training goes on, and at the first safe point after it is up it is seeded (`seed`), then
-    takes that step's sync, verified by checksums with `weight_sync.verify_checksums`; only
-    then does it get requests. A leaver gets no new request
+    training goes on, and at the first safe point after it is up it gets its first weights
+    (`first_weights`), then takes that step's sync, verified by checksums with
+    `weight_sync.verify_checksums`; only then does it get requests. A leaver gets no new request
     at once, finishes the ones in flight (still synced every step, so their tokens keep exact
     versions), then leaves.
     """
@@ -66,11 +66,11 @@ class FleetConfig(StrictModel):
         None, description="Launch engines when the rollouts are behind (None: never)."
     )
     max_engines: int = Field(8, ge=1, description="Joins beyond this many engines are refused.")
-    seed: Literal["auto", "engine", "trainer"] = Field(
+    first_weights: Literal["auto", "engine", "trainer"] = Field(
         "auto",
         description="How a joiner gets the current weights. 'engine': a serving engine sends "
         "them (engine to engine over gloo, checksums compared), and the step's sync stays a "
-        "delta for every engine; needs weight_sync.transport.delta (otherwise, or if the seed "
+        "delta for every engine; needs weight_sync.transport.delta (otherwise, or if the copy "
         "fails, 'trainer'). 'trainer': the step's sync is full, for every engine. 'auto': "
         "'engine' unless this job's full syncs were faster than its delta syncs (medians).",
     )

@@ -7,10 +7,10 @@ rank 0 decides and broadcasts one plan, every rank applies it:
 
 - **join**: rank 0 launches the engines in the background (Ray actors, a placement group of
   their own). Once up, they are admitted at the next safe point: every rank attaches; with
-  delta syncs a serving engine seeds them (fleet.seed, vime.fleet.seed); the weight
-  sync reconnects (groups and rank offsets rebuilt, no trainer restart) and the step's sync (a
-  delta if they were seeded, else full for every engine) brings them to the trainer's weights.
-  They get requests after it (`after_sync`).
+  delta syncs a serving engine copies its weights to them (fleet.first_weights,
+  vime.fleet.first_weights); the weight sync reconnects (groups and rank offsets rebuilt, no
+  trainer restart) and the step's sync (a delta if they got a peer copy, else full for every
+  engine) brings them to the trainer's weights. They get requests after it (`after_sync`).
 - **leave (drain)**: no new request at once; those in flight finish there, synced every step.
   At the first safe point where none is left (or after fleet.drain_timeout_s, when the rest are
   handed over: cancelled, resubmitted elsewhere), it leaves every later sync and ends.
@@ -35,9 +35,9 @@ from typing import Any
 import torch.distributed as dist
 
 from vime.config import TrainConfig
+from vime.fleet.first_weights import copies_from_peer, copy_to_joiners, delta_is_cheaper
 from vime.fleet.preemption import PreemptionWatch
 from vime.fleet.requests import read_requests
-from vime.fleet.seed import delta_is_cheaper, seed_joiners, seeds_from_engine
 from vime.fleet.stats import FleetStats
 from vime.utils.collectives import broadcast_object
 
@@ -128,12 +128,12 @@ class Fleet:
         indices = self.engines.admit(plan["urls"], plan["infos"], handles)
         for index in plan["retire"]:
             self.engines.retire(index)
-        seeded = not indices  # leavers alone: the others still hold the last sync's tensors
-        if indices and seeds_from_engine(self.config):
-            seeded = broadcast_object(self._seed(indices), self.engines.group)
+        copied = not indices  # leavers alone: the others still hold the last sync's tensors
+        if indices and copies_from_peer(self.config):
+            copied = broadcast_object(self._copy_to_joiners(indices), self.engines.group)
         # Groups and rank offsets for the new fleet; unless every engine holds the last sync's
-        # tensors (seeded), the next sync is full.
-        self.sync.reconnect(keep_delta=seeded)
+        # tensors (a peer copy), the next sync is full.
+        self.sync.reconnect(keep_delta=copied)
         if self.rank == 0:
             self._after_plan(indices, plan)
         logger.log(
@@ -145,21 +145,21 @@ class Fleet:
             self.engines.active(),
         )
 
-    def _seed(self, joiners: list[int]) -> bool | None:
-        """Rank 0: seed the joiners from serving engines (None on other ranks)."""
+    def _copy_to_joiners(self, joiners: list[int]) -> bool | None:
+        """Rank 0: copy serving engines' weights to the joiners (None on other ranks)."""
         if self.rank != 0:
             return None
-        if self.config.fleet.seed == "auto" and not delta_is_cheaper(self._sync_s):
+        if self.config.fleet.first_weights == "auto" and not delta_is_cheaper(self._sync_s):
             logger.info(
-                "fleet: joiners %s get a full sync (fleet.seed=auto: this job's full "
+                "fleet: joiners %s get a full sync (fleet.first_weights=auto: this job's full "
                 "syncs were faster than its delta syncs)",
                 joiners,
             )
             return False
-        seconds = seed_joiners(
+        seconds = copy_to_joiners(
             self.config, self.engines, joiners, self.client.serving(), self.sync.weight_version
         )
-        self.stats.seed_s += seconds or []
+        self.stats.peer_copy_s += seconds or []
         return seconds is not None
 
     def note_batch_wait(self, wait_s: float) -> None:
@@ -167,7 +167,8 @@ class Fleet:
         self._batch_waits.append(wait_s)
 
     def note_sync(self, report: Any) -> None:
-        """Rank 0: a sync's mode and seconds (fleet.seed=auto compares full and delta ones)."""
+        """Rank 0: a sync's mode and seconds (fleet.first_weights=auto compares full and delta
+        ones)."""
         if report is not None and report.delta in ("full", "delta"):
             self._sync_s.setdefault(report.delta, []).append(report.total_s)
 

@@ -14,7 +14,7 @@ class FleetStats:
     preempted: int = 0  # engines that got a preemption notice (SIGTERM to their keeper)
     scale_ups: int = 0  # launches fleet.scale_up asked for
     join_to_serve_s: list[float] = field(default_factory=list)  # request -> first request sent
-    seed_s: list[float] = field(default_factory=list)  # a joiner seeded by a live engine
+    peer_copy_s: list[float] = field(default_factory=list)  # a joiner's copy from a live engine
     drain_s: list[float] = field(default_factory=list)  # leave request -> the engine ended
 
     def metrics(self, *, size: int, serving: int) -> dict[str, float]:
@@ -28,11 +28,11 @@ class FleetStats:
             "fleet/handed_over": float(self.handed_over),
             "fleet/preempted": float(self.preempted),
             "fleet/scale_ups": float(self.scale_ups),
-            "fleet/seeded": float(len(self.seed_s)),
+            "fleet/peer_copied": float(len(self.peer_copy_s)),
         }
 
     def summary(self) -> dict[str, Any]:
         stats = asdict(self)
-        for key in ("join_to_serve_s", "drain_s", "seed_s"):
+        for key in ("join_to_serve_s", "drain_s", "peer_copy_s"):
             stats[key] = [round(s, 2) for s in stats[key]]
         return {f"fleet_{key}": value for key, value in stats.items()}

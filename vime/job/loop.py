@@ -83,13 +83,11 @@ def run_loop(job: Job) -> dict[str, Any]:
         train = job.trainer.train_step(packed, weight_version=sync.weight_version)
         train_end = time.time()
         report, extra = job.safe_points.sync(step)
-        extra["train/param_fingerprint"] = job.trainer.param_fingerprint()
         job.report.step(
             step,
             batch=batch,
             train=train,
             sync=report,
-            weight_version=sync.weight_version,
             train_span=(train_start, train_end),
             extra=extra,
         )

@@ -16,10 +16,13 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vime.cluster.addresses import HOST_IP_ENV
 from vime.rl.metrics import MetricsWriter, prefixed
+
+if TYPE_CHECKING:
+    from vime.weight_sync.session import SyncReport
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +44,12 @@ class Reporter:
         *,
         batch: Any,
         train: dict[str, float],
-        sync: Any,
-        weight_version: int,
+        sync: SyncReport,
         train_span: tuple[float, float],
         extra: dict[str, float] | None = None,
     ) -> None:
         """Log step `step` (trained on `batch`, synced by the report `sync`)."""
+        weight_version = sync.weight_version
         now = time.time()
         self._step_seconds.append(now - self._step_start)
         self._step_start = now

@@ -246,6 +246,7 @@ class MegatronTrainer:
         metrics = self._update(micro_batches, loss_of, stats, f"at step {self.num_steps + 1}")
         self.num_steps += 1
         metrics["time_s"] = time.monotonic() - started
+        metrics["weight_l1"] = self.weight_l1()
         return metrics
 
     def sft_step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, float]:
@@ -354,9 +355,10 @@ class MegatronTrainer:
     def device(self) -> torch.device:
         return next(self.model[0].parameters()).device
 
-    def param_fingerprint(self) -> float:
-        """A number that changes whenever this rank's weights change (for run checks): the sum
-        of |w| over its parameters, one read of each (float64 accumulation, no copy)."""
+    def weight_l1(self) -> float:
+        """The L1 norm of this rank's weights (its TP/PP shard), one read of each, float64
+        accumulation, no copy: logged each step as `train/weight_l1` (drift shows in it; it
+        changes whenever any weight does). One rank: the exported model's sum of |w|."""
         with torch.no_grad():
             return float(
                 sum(torch.linalg.vector_norm(p, 1, dtype=torch.float64) for p in self.parameters())

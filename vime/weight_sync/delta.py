@@ -240,7 +240,7 @@ class Baseline:
         return self.valid and not self.open_delta
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors as they stand (read-only use: a seed sends them to a joining engine)."""
+        """The tensors as they stand (read-only use: a peer copy sends them to a joining engine)."""
         return dict(self._tensors)
 
     def commit(self, names: tuple[str, ...]) -> list[tuple[str, torch.Tensor]]:

@@ -30,8 +30,8 @@ every HF-named tensor, to check after), `vime_device_id` (the device a
 colocated worker reads its buffers on) and
 `vime_weight_update_stats` (where the last update's time went on the worker) and
 `vime_end_open_update` (ends an update a trainer that died mid-sync left open), and
-`vime_seed_source` / `vime_seed_send` / `vime_seed_receive` (a live engine seeds a joining one,
-`vime.weight_sync.engine.seed`).
+`vime_peer_copy_source` / `vime_peer_copy_send` / `vime_peer_copy_receive` (a live engine
+copies its weights to a joining one, `vime.weight_sync.engine.peer_copy`).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vime.weight_sync.buckets import dtype_name, tensor_digest
 from vime.weight_sync.engine.broadcast import BroadcastWeightTransferEngine
 from vime.weight_sync.engine.colocated import ColocatedWeightTransferEngine
+from vime.weight_sync.engine.peer_copy import peer_copy_tensors, receive_peer_copy, send_peer_copy
 from vime.weight_sync.engine.readback import record_load_digests, served_shards
-from vime.weight_sync.engine.seed import receive_seed, seed_tensors, send_seed
 from vime.weight_sync.names import BROADCAST_BACKEND, COLOCATED_BACKEND
 
 
@@ -96,19 +96,19 @@ class VimeWorkerExtension:
         self.finish_weight_update()  # type: ignore[attr-defined]
         return {"ended": True}
 
-    def vime_seed_source(self) -> dict[str, Any]:
-        """Worker 0: the tensors this engine can seed a joiner with (`engine.seed`)."""
-        return seed_tensors(self.weight_transfer_engine, self.parallel_config)  # type: ignore[attr-defined]
+    def vime_peer_copy_source(self) -> dict[str, Any]:
+        """Worker 0: the tensors this engine can copy to a joiner (`engine.peer_copy`)."""
+        return peer_copy_tensors(self.weight_transfer_engine, self.parallel_config)  # type: ignore[attr-defined]
 
-    def vime_seed_send(self, info: str) -> dict[str, float]:
-        """Worker 0: send them to a joining engine's workers (`engine.seed`; `info` is JSON)."""
+    def vime_peer_copy_send(self, info: str) -> dict[str, float]:
+        """Worker 0: send them to a joining engine's workers (`engine.peer_copy`; JSON `info`)."""
         engine = self.weight_transfer_engine  # type: ignore[attr-defined]
-        return send_seed(engine, self.parallel_config, json.loads(info))  # type: ignore[attr-defined]
+        return send_peer_copy(engine, self.parallel_config, json.loads(info))  # type: ignore[attr-defined]
 
-    def vime_seed_receive(self, info: str) -> dict[str, float]:
+    def vime_peer_copy_receive(self, info: str) -> dict[str, float]:
         """Every worker of a joining engine: receive and load a live engine's weights (`info`
         is JSON)."""
-        return receive_seed(self, json.loads(info))
+        return receive_peer_copy(self, json.loads(info))
 
     def vime_weight_checksums(self, source: str = "served") -> dict[str, str]:
         """{HF name: XXH3-128 hex of this worker's part's bytes} for every weight it serves.

@@ -80,7 +80,7 @@ class ColocatedWeightTransferEngine(BucketEngine):
     def finish_weight_update(self) -> None:
         super().finish_weight_update()
         if not self._used:
-            return  # no buffer read (a live engine's seed, a delta with nothing changed)
+            return  # no buffer read (a live engine's peer copy, a delta with nothing changed)
         for key in set(self._opened) - self._used:
             del self._opened[key]
 

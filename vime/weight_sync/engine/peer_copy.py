@@ -1,4 +1,4 @@
-"""Seeding a joining engine from a live one, engine to engine, the trainer untouched.
+"""A joining engine's first weights copied from a live one, engine to engine, the trainer untouched.
 
 With `weight_sync.transport.delta` every engine worker keeps the HF-named tensors of its last
 sync (`delta.Baseline`: whole tensors, in the dtype sent, exactly what the trainer's delta encoder
@@ -28,7 +28,7 @@ from vime.weight_sync.devices.cpu import GlooCommunicator
 from vime.weight_sync.engine.base import BucketEngine, parse_buckets, worker_index
 from vime.weight_sync.engine.broadcast import join_communicator
 
-SEED_GROUP = "vime-seed"
+PEER_COPY_GROUP = "vime-peer-copy"
 
 
 def _join(info: dict[str, Any], rank: int) -> tuple[dist.Store, Communicator]:
@@ -39,12 +39,12 @@ def _join(info: dict[str, Any], rank: int) -> tuple[dist.Store, Communicator]:
         rank=rank,
         world_size=int(info["world_size"]),
         timeout_s=float(info["timeout_s"]),
-        group_name=SEED_GROUP,
+        group_name=PEER_COPY_GROUP,
         device=torch.device("cpu"),
     )
 
 
-def seed_tensors(engine: BucketEngine, parallel_config: Any) -> dict[str, Any]:
+def peer_copy_tensors(engine: BucketEngine, parallel_config: Any) -> dict[str, Any]:
     """What worker 0 of a source engine can send: {"valid", "tensors": [[name, dtype, shape]]}
     (other workers: {} ; they send nothing)."""
     if worker_index(parallel_config) != 0:
@@ -54,14 +54,16 @@ def seed_tensors(engine: BucketEngine, parallel_config: Any) -> dict[str, Any]:
     return {"valid": baseline.whole, "tensors": tensors}
 
 
-def send_seed(engine: BucketEngine, parallel_config: Any, info: dict[str, Any]) -> dict[str, float]:
-    """Worker 0 of the source: broadcast the baseline in `info["buckets"]`, rank 0 of the seed
+def send_peer_copy(
+    engine: BucketEngine, parallel_config: Any, info: dict[str, Any]
+) -> dict[str, float]:
+    """Worker 0 of the source: broadcast the baseline in `info["buckets"]`, rank 0 of the copy's
     group. Other workers return at once."""
     if worker_index(parallel_config) != 0:
         return {}
     baseline = engine.baseline
     if not baseline.whole:
-        raise RuntimeError("this engine's weights are not a whole synced version: no seed")
+        raise RuntimeError("this engine's weights are not a whole synced version: no peer copy")
     began = time.perf_counter()
     buckets = parse_buckets(info["buckets"])
     _store, group = _join(info, rank=0)
@@ -74,7 +76,7 @@ def send_seed(engine: BucketEngine, parallel_config: Any, info: dict[str, Any]) 
     return {"bytes": float(sent), "seconds": time.perf_counter() - began}
 
 
-def receive_seed(worker: Any, info: dict[str, Any]) -> dict[str, float]:
+def receive_peer_copy(worker: Any, info: dict[str, Any]) -> dict[str, float]:
     """Every worker of the joiner: receive the source's baseline and load it as a full sync
     (start, load, finish through the worker, so vLLM's session bookkeeping holds)."""
     engine: BucketEngine = worker.weight_transfer_engine
