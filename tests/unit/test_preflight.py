@@ -108,9 +108,11 @@ def test_step_line_counts_steps_and_estimates_the_rest(caplog):
     reporter = Reporter(None, num_steps=10, start_step=0)
     reporter._step_seconds = [2.0, 2.0, 2.0]
     assert reporter.eta_s(step=2) == pytest.approx(7 * 2.0)
-    sync = SimpleNamespace(total_s=0.1, verified=True, num_bytes=1, prefix_cache_flushed=True)
+    sync = SimpleNamespace(
+        total_s=0.1, verified=True, num_bytes=1, prefix_cache_flushed=True, weight_version=4
+    )
     with caplog.at_level(logging.INFO):
-        reporter.step(3, batch=None, train={}, sync=sync, weight_version=4, train_span=(0, 1))
+        reporter.step(3, batch=None, train={}, sync=sync, train_span=(0, 1))
     assert caplog.messages == []  # ranks without a writer log nothing
 
 
