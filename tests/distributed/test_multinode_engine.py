@@ -15,7 +15,8 @@ import pytest
 import requests
 
 from vime.config import EngineConfig
-from vime.engines.server import EngineNodeRole, launch_server
+from vime.engines.server import launch_server
+from vime.engines.server_command import EngineNodeRole
 from vime.testing.hf import hf_greedy
 from vime.utils.net import free_port
 

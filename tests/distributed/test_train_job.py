@@ -193,9 +193,26 @@ def test_main_job_sft_then_async_rl_syncs_every_step_and_overlaps(tmp_path, tiny
     assert (run_dir / "checkpoints" / f"step_{num_steps}" / "metadata.json").is_file()
 
 
-@pytest.mark.parametrize(("kind", "num_engines"), [("nccl", 1), ("ipc", 2)])
+@pytest.mark.parametrize(
+    ("kind", "num_engines", "sampling"),
+    [
+        ("nccl", 1, ()),
+        # Sampled at temperature 0.7 within top-p 0.9: the engines return the log-probs of that
+        # distribution and the trainer computes the same; token-level IS weights, capped.
+        (
+            "ipc",
+            2,
+            (
+                "rollout.temperature=0.7",
+                "rollout.top_p=0.9",
+                "grpo.off_policy={level: token, cap: 2.0}",
+            ),
+        ),
+    ],
+    ids=["nccl-1", "ipc-2-top-p"],
+)
 def test_sync_loop_with_virtual_pipeline_stages_with_kl_and_rollouts(
-    tmp_path, model_builder, kind, num_engines
+    tmp_path, model_builder, kind, num_engines, sampling
 ):
     """Two trainer ranks, two pipeline stages of two virtual stages each (a four-layer model:
     rank 0 holds layers 0 and 2, rank 1 layers 1 and 3): megatron's interleaved 1F1B schedule
@@ -219,6 +236,7 @@ def test_sync_loop_with_virtual_pipeline_stages_with_kl_and_rollouts(
         "rollout.num_samples_per_prompt=4",
         "grpo.kl_coef=0.05",
         "save_rollouts=true",
+        *sampling,
         nproc=2,
     )
     metrics = rows
@@ -236,7 +254,12 @@ def test_sync_loop_with_virtual_pipeline_stages_with_kl_and_rollouts(
     assert all(m["sync/verified"] == 1.0 for m in metrics)
     # The first sync goes in full, the second as a delta at PP=2 (each stage commits its own).
     assert [m["sync/delta"] for m in metrics] == [0.0, 1.0], metrics
-    assert all(m["train/logprob_diff_same_version"] < 1e-3 for m in metrics)
+    # With temperature and top-p too: the gap is float noise, not a sampling mismatch (at 0.7 /
+    # 0.9 on raw log-probs it would be ~0.1 and more).
+    assert all(m["train/logprob_diff_same_version"] < 1e-3 for m in metrics), metrics
+    if sampling:
+        assert all(0.9 < m["train/is_weight_p50"] < 1.1 for m in metrics), metrics
+        assert all(m["train/mismatch_kl"] < 1e-4 for m in metrics), metrics
     assert all(m["train/same_version_token_fraction"] == 1.0 for m in metrics)
     assert (run_dir / "checkpoints" / "step_2" / "metadata.json").is_file()
     samples = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]

@@ -35,7 +35,7 @@ GROUPS, GROUP_SIZE, SEQ = 4, 4, 12  # 16 samples: 2 groups per rank at DP2
 STEPS = 2
 LR = 1e-2
 KL_COEF = 0.5
-GRAD_CLIP = 0.3  # below every layout's first gradient norm: clipping acts
+GRAD_CLIP = 0.1  # below every layout's first gradient norm: clipping acts
 
 
 def _batch():
@@ -75,8 +75,9 @@ def _worker(
         grad_clip=GRAD_CLIP,
     )
     # With a KL penalty to the frozen reference (sharded like the policy): 0 at the first step,
-    # part of the loss and gradients at the second.
-    grpo = GRPOConfig(kl_coef=KL_COEF)
+    # part of the loss and gradients at the second; and capped geometric importance weights of
+    # the trainer over the (synthetic) rollout log-probs, their quantiles from every DP rank.
+    grpo = GRPOConfig(kl_coef=KL_COEF, off_policy={"level": "geometric", "cap": 2.0})
     trainer = MegatronTrainer(
         config, model_path=model_dir, topology=topology, grpo=grpo, dp_group=dp_group
     )
@@ -219,7 +220,15 @@ def test_parallel_layouts_train_like_one_rank(
             assert got["kl_ref"] == pytest.approx(expected["kl_ref"], rel=1e-3, abs=1e-9)
             # grad_norm is global: after the DP sum, and summed over TP and PP before clipping.
             assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
+            for key in ("is_weight_mean", "is_capped_fraction", "mismatch_kl"):
+                assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-9), key
+            for key in ("is_weight_p10", "is_weight_p50", "is_weight_p90"):
+                # Quantiles to a bin (5%): a weight on a bin's edge may fall either side.
+                assert got[key] == pytest.approx(expected[key], rel=0.06), key
     assert reference["metrics"][0]["grad_norm"] > GRAD_CLIP  # clipping acted
+    # The weights acted: spread out, below 1 for most samples (random rollout log-probs).
+    first = reference["metrics"][0]
+    assert first["is_weight_p10"] < first["is_weight_p90"] and first["is_weight_mean"] != 1.0
     # The reference is the SFT model: no KL before the first RL update, some after it.
     assert reference["metrics"][0]["kl_ref"] == 0.0
     assert reference["metrics"][1]["kl_ref"] > 1e-6

@@ -15,8 +15,8 @@ import torch
 
 from vime.config import EngineConfig, apply_overrides, load_config
 from vime.engines.cpu_binding import cpu_core_binding
-from vime.engines.generation import SamplingConfig, expand_weight_versions
-from vime.engines.server import build_server_command
+from vime.engines.generate_api import SamplingConfig, expand_weight_versions
+from vime.engines.server_command import build_server_command
 from vime.utils.http import EngineHTTPError, request_json
 
 pytestmark = pytest.mark.unit
@@ -168,7 +168,7 @@ def test_served_slices_are_checked_and_taken_from_the_whole_tensor():
 
 
 def test_cpu_server_keeps_freed_memory_unless_told_not_to(monkeypatch):
-    monkeypatch.setattr("vime.engines.server._has_cuda", lambda: False)
+    monkeypatch.setattr("vime.engines.server_command.has_cuda", lambda: False)
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
     _, env = build_server_command(EngineConfig(model_path="/m"), 8123)
     tunables = env["GLIBC_TUNABLES"].split(":")
@@ -179,13 +179,13 @@ def test_cpu_server_keeps_freed_memory_unless_told_not_to(monkeypatch):
 
 
 def test_eager_cpu_server_runs_the_samplers_helpers_without_dynamo(monkeypatch):
-    monkeypatch.setattr("vime.engines.server._has_cuda", lambda: False)
+    monkeypatch.setattr("vime.engines.server_command.has_cuda", lambda: False)
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
     _, env = build_server_command(EngineConfig(model_path="/m"), 8123)
     assert env["TORCHDYNAMO_DISABLE"] == "1"
     _, env = build_server_command(EngineConfig(model_path="/m", enforce_eager=False), 8123)
     assert "TORCHDYNAMO_DISABLE" not in env
-    monkeypatch.setattr("vime.engines.server._has_cuda", lambda: True)  # GPU: vLLM's choice
+    monkeypatch.setattr("vime.engines.server_command.has_cuda", lambda: True)  # GPU: vLLM's choice
     _, env = build_server_command(EngineConfig(model_path="/m"), 8123)
     assert "TORCHDYNAMO_DISABLE" not in env
 

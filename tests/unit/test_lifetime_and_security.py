@@ -19,7 +19,8 @@ import pytest
 
 from vime.config import EngineConfig
 from vime.engines import auth
-from vime.engines.server import EngineStartError, build_server_command, check_vllm_server
+from vime.engines.server import EngineStartError, check_vllm_server
+from vime.engines.server_command import build_server_command
 from vime.engines.watchdog import EngineFailedError, EngineWatchdog, probe
 from vime.utils.http import EngineHTTPError
 from vime.weight_sync.devices.cpu import ShmHandles, sweep_stale_segments

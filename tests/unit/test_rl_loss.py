@@ -92,19 +92,104 @@ def test_truncated_importance_sampling_weights():
     old = torch.log(torch.tensor([[3.0, 0.5]]))
     train = old.clone().requires_grad_()
     mask = torch.ones(1, 2)
-    config = GRPOConfig(tis_cap=2.0)
+    config = GRPOConfig(off_policy={"level": "token", "cap": 2.0})
     loss, metrics = grpo_loss(
         train, rollout, torch.tensor([1.0]), mask, config=config, old_logprobs=train.detach()
     )
     # ratio train/old = 1; weights min(old/rollout, 2) = 2 and 0.5.
     assert loss.item() == pytest.approx(-(2.0 + 0.5) / 2)
-    assert metrics["tis_capped_fraction"] == pytest.approx(0.5)
-    assert metrics["tis_weight_mean"] == pytest.approx((3.0 + 0.5) / 2)
+    assert metrics["is_capped_fraction"] == pytest.approx(0.5)
+    assert metrics["is_weight_mean"] == pytest.approx((3.0 + 0.5) / 2)
+    assert metrics["is_weight_max"] == pytest.approx(3.0)
+    assert metrics["is_masked_fraction"] == 0.0
     assert metrics["logprob_diff"] == pytest.approx((math.log(3) + math.log(2)) / 2, rel=1e-5)
+    # k3 of KL(rollout || train): mean of exp(d) - d - 1 over d = log 3, log 0.5.
+    k3 = ((3 - math.log(3) - 1) + (0.5 - math.log(0.5) - 1)) / 2
+    assert metrics["mismatch_kl"] == pytest.approx(k3, rel=1e-5)
     loss.backward()
     assert train.grad.tolist()[0] == pytest.approx([-1.0, -0.25])
-    with pytest.raises(ValueError, match="tis_cap needs old_logprobs"):
+    with pytest.raises(ValueError, match="off_policy.level=token needs old_logprobs"):
         grpo_loss(train, rollout, torch.tensor([1.0]), mask, config=config)
+
+
+def _weighted_loss(level: str, **bounds) -> tuple[float, dict[str, float]]:
+    """Two samples against rollout log-probs 0: sample 0's tokens have w = 2 and 8 (and a padding
+    token), sample 1's w = 0.5; advantages 1 and -1; ratio train/old = 1."""
+    old = torch.log(torch.tensor([[2.0, 8.0, 1.0], [0.5, 1.0, 1.0]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    config = GRPOConfig(off_policy={"level": level, **bounds})
+    loss, metrics = grpo_loss(
+        old.clone(),
+        torch.zeros(2, 3),
+        torch.tensor([1.0, -1.0]),
+        mask,
+        config=config,
+        old_logprobs=old,
+    )
+    return loss.item(), metrics
+
+
+def test_sequence_and_geometric_weights_are_one_per_sample():
+    # Sequence: w0 = 2 * 8 = 16 on both of sample 0's tokens, w1 = 0.5; token mean over 3 tokens.
+    loss, metrics = _weighted_loss("sequence")
+    assert loss == pytest.approx(-(16 + 16 - 0.5) / 3)
+    assert metrics["is_weight_mean"] == pytest.approx((16 + 16 + 0.5) / 3)
+    # Geometric: w0 = sqrt(2 * 8) = 4, independent of the sample's length; w1 = 0.5.
+    loss, metrics = _weighted_loss("geometric")
+    assert loss == pytest.approx(-(4 + 4 - 0.5) / 3)
+    assert metrics["is_weight_max"] == pytest.approx(4.0)
+
+
+def test_masked_importance_sampling_drops_tokens_or_whole_samples():
+    # Token level, bounds [0.6, 5]: the w = 8 and w = 0.5 tokens drop, the w = 2 token stays;
+    # the denominator still counts all 3 tokens.
+    loss, metrics = _weighted_loss("token", mask_below=0.6, mask_above=5.0)
+    assert loss == pytest.approx(-2.0 / 3)
+    assert metrics["is_masked_fraction"] == pytest.approx(2 / 3)
+    # Geometric, bounds [0.6, 5]: sample 0 (w = 4) stays whole, sample 1 (w = 0.5) drops.
+    loss, metrics = _weighted_loss("geometric", mask_below=0.6, mask_above=5.0)
+    assert loss == pytest.approx(-(4 + 4) / 3)
+    assert metrics["is_masked_fraction"] == pytest.approx(1 / 3)
+    # Sequence with a cap: w0 = 16 capped at 3, masking above 20 leaves it.
+    loss, metrics = _weighted_loss("sequence", cap=3.0, mask_above=20.0)
+    assert loss == pytest.approx(-(3 + 3 - 0.5) / 3)
+    assert metrics["is_capped_fraction"] == pytest.approx(2 / 3)
+
+
+def test_off_policy_config_errors_name_the_key():
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError, match="off_policy.cap is set but"):
+        GRPOConfig(off_policy={"cap": 2.0})
+    with pytest.raises(pydantic.ValidationError, match="mask_below=2.0 must be below"):
+        GRPOConfig(off_policy={"level": "token", "mask_below": 2.0, "mask_above": 1.5})
+    with pytest.raises(pydantic.ValidationError, match="level"):
+        GRPOConfig(off_policy={"level": "sample"})
+
+
+def test_importance_weight_quantiles_cover_every_micro_batch():
+    """The step's quantiles come from all its tokens (histograms summed over micro-batches), to
+    a bin's width (0.05 in log w)."""
+    from vime.trainer.stats import StepStats
+
+    stats = StepStats()
+    weights = torch.exp(torch.linspace(-1.0, 1.0, 1001, dtype=torch.float64))
+    for chunk in weights.split(100):  # eleven micro-batches, one with a padding column
+        values = torch.stack([chunk.log(), torch.zeros_like(chunk)], dim=1)
+        mask = torch.stack([torch.ones_like(chunk), torch.zeros_like(chunk)], dim=1)
+        stats.add_histogram("is_weight", values, mask)
+    metrics = stats.metrics()
+    for suffix, q in (("p01", 0.01), ("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+        expected = float(torch.quantile(weights, q))
+        assert metrics[f"is_weight_{suffix}"] == pytest.approx(expected, rel=0.03), suffix
+    # Beyond the range: the range's edge.
+    far = StepStats()
+    far.add_histogram("w", torch.tensor([[9.0, -9.0]]), torch.ones(1, 2))
+    assert far.metrics()["w_p99"] == pytest.approx(math.exp(4.0))
+    assert far.metrics()["w_p01"] == pytest.approx(math.exp(-4.0))
+    empty = StepStats()  # a rank whose micro-batches hold no token: no quantiles, no error
+    empty.add_histogram("w", torch.zeros(1, 2), torch.zeros(1, 2))
+    assert "w_p50" not in empty.metrics()
 
 
 def test_old_logprobs_set_the_clip_reference():

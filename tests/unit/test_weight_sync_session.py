@@ -271,7 +271,7 @@ def test_broadcast_rendezvous_gives_up_at_the_configured_deadline():
 
 def test_engine_device_ids_become_each_engines_devices():
     from vime.config import EngineConfig
-    from vime.engines.server import build_server_command
+    from vime.engines.server_command import build_server_command
 
     config = EngineConfig(
         model_path="/m", num_engines=2, tensor_parallel_size=2, device_ids=["0,1", "2,3"]

@@ -10,7 +10,7 @@ from vime.config.cluster import ClusterConfig, SlurmConfig
 from vime.config.engine import VIME_WORKER_EXTENSION, EngineConfig, WeightTransferBackend
 from vime.config.fleet import FleetChange, FleetConfig, ScaleUpPolicy
 from vime.config.job import ModelBuildConfig, TrainConfig
-from vime.config.rl import EvalConfig, GRPOConfig, RolloutConfig, SFTConfig
+from vime.config.rl import EvalConfig, GRPOConfig, OffPolicyConfig, RolloutConfig, SFTConfig
 from vime.config.trainer import TrainerConfig
 from vime.config.weight_sync import (
     TRANSPORT_KINDS,
@@ -35,6 +35,7 @@ __all__ = [
     "FleetConfig",
     "ScaleUpPolicy",
     "GRPOConfig",
+    "OffPolicyConfig",
     "GlooTransportConfig",
     "IpcTransportConfig",
     "ModelBuildConfig",

@@ -122,7 +122,7 @@ class TrainConfig(StrictModel):
             raise ValueError(
                 f"engine.num_nodes={self.engine.num_nodes}: the RL job launches each engine on "
                 "one node (Ray places one bundle per engine); start an engine spanning nodes "
-                "yourself (vime.engines.server.launch_server with EngineNodeRole) and give its "
+                "yourself (vime.engines.server.launch_server with an EngineNodeRole) and give its "
                 "URL in engine.external_urls, or set engine.num_nodes=1"
             )
         if self.eval.prompts_path and self.eval.timeout_s >= self.weight_sync.barrier_timeout_s:

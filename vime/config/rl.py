@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from vime.config.base import StrictModel
 
@@ -40,6 +40,15 @@ class RolloutConfig(StrictModel):
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (1.0: the policy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1.0 samples the policy.")
     top_k: int = Field(-1, description="Top-k sampling; -1 samples the policy.")
+    routing: Literal["group", "sample"] = Field(
+        "group",
+        description=(
+            "How requests are spread over the engines. 'group': a GRPO group's samples go to one "
+            "engine (least requests in flight when the group starts; its retries too), so the "
+            "prompt's KV is computed once and reused from that engine's prefix cache. 'sample': "
+            "each sample to the engine with the fewest requests in flight."
+        ),
+    )
     max_in_flight: int | None = Field(
         None,
         ge=1,
@@ -69,6 +78,55 @@ class RolloutConfig(StrictModel):
     )
 
 
+class OffPolicyConfig(StrictModel):
+    """Importance weights w = pi_old / pi_rollout: the trainer's policy before the step (old) over
+    the engine's sampling policy (rollout, its log-probs returned with each token). They correct
+    the loss for staleness (tokens sampled by older versions) and for trainer/engine mismatch
+    (kernels, precision). Each token's objective is multiplied by its w (detached), after `cap`
+    and the masks.
+
+    level: `token` w_t = exp(old_t - rollout_t) (TIS with a cap); `sequence` one w per sample,
+    exp(sum_t (old_t - rollout_t)); `geometric` one per sample, exp(mean_t (old_t - rollout_t))
+    (length-independent); `off` no weights (the PPO clip alone bounds the update).
+    Masked IS: a token (`token`) or a whole sample (`sequence`, `geometric`) whose w is below
+    `mask_below` or above `mask_above` contributes nothing (the loss's denominator keeps it, so
+    a step with many masked tokens does not grow its update). `train/is_*` metrics say how many.
+    """
+
+    level: Literal["off", "token", "sequence", "geometric"] = Field(
+        "off", description="Importance-weight level: off, token, sequence or geometric."
+    )
+    cap: float | None = Field(
+        None, gt=0, description="Truncate w at this value (truncated IS); None: no truncation."
+    )
+    mask_below: float | None = Field(
+        None, gt=0, description="Mask tokens (samples) whose w is below this; None: none."
+    )
+    mask_above: float | None = Field(
+        None, gt=0, description="Mask tokens (samples) whose w is above this; None: none."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> OffPolicyConfig:
+        bounds = {"cap": self.cap, "mask_below": self.mask_below, "mask_above": self.mask_above}
+        given = [name for name, value in bounds.items() if value is not None]
+        if self.level == "off" and given:
+            raise ValueError(
+                f"grpo.off_policy.{given[0]} is set but grpo.off_policy.level is 'off': set "
+                "level to token, sequence or geometric (or remove it)"
+            )
+        if (
+            self.mask_below is not None
+            and self.mask_above is not None
+            and self.mask_below >= self.mask_above
+        ):
+            raise ValueError(
+                f"grpo.off_policy.mask_below={self.mask_below} must be below "
+                f"mask_above={self.mask_above}: no weight would pass"
+            )
+        return self
+
+
 class GRPOConfig(StrictModel):
     """Policy-loss settings."""
 
@@ -92,15 +150,7 @@ class GRPOConfig(StrictModel):
             "KL(ref || train)). kl_ref logs the estimate's token mean."
         ),
     )
-    tis_cap: float | None = Field(
-        None,
-        gt=0,
-        description=(
-            "Truncated importance sampling: weight each token by min(exp(old - rollout logprob), "
-            "tis_cap), old being the trainer's pre-update log-probs; corrects for staleness and "
-            "trainer/engine mismatch. None disables."
-        ),
-    )
+    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
     advantage_eps: float = Field(1e-6, gt=0, description="eps in (r - mean) / (std + eps).")
     normalize_std: bool = Field(
         True, description="Divide group-centred rewards by the group std (False: Dr. GRPO style)."

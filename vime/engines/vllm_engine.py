@@ -4,7 +4,7 @@ Usable directly or as a Ray actor (`ray.remote(num_cpus=0)(VLLMEngine)`). It eit
 server subprocess (and ends only that process group on `shutdown`) or connects to an external URL.
 
 An engine spanning several nodes is controlled through its node 0, which serves HTTP (see
-`vime.engines.server.EngineNodeRole`); give that node's URL.
+`vime.engines.server_command.EngineNodeRole`); give that node's URL.
 """
 
 from __future__ import annotations

@@ -125,6 +125,9 @@ def _build_trainer(config: TrainConfig) -> tuple[Any, Any]:
         topology=topology,
         grpo=config.grpo,
         dp_group=dp_group,
+        temperature=config.rollout.temperature,
+        top_p=config.rollout.top_p,
+        top_k=config.rollout.top_k,
     )
     return trainer, topology
 

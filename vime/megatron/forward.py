@@ -64,23 +64,79 @@ def token_logprobs(
 
 
 def logprobs_from_logits(
-    logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, tp_group: Any
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_size: int,
+    tp_group: Any,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
 ) -> torch.Tensor:
     """[batch, seq] float32 log-probs of `targets` under this TP rank's logits shard.
 
     Vocab-parallel: the logits stay split over TP (megatron's vocab_parallel_cross_entropy);
     padded vocab columns are masked to -inf first so they take no probability mass.
-    """
+
+    `temperature`, `top_k` and `top_p`: the log-probs of the distribution the engine sampled from,
+    as vLLM returns them with `--logprobs-mode processed_logprobs`: logits / temperature (0 means
+    greedy: the raw logits), then, with top_k > 0, all but the k largest masked, then, with
+    top_p < 1, every token outside the nucleus masked (the smallest set, by descending
+    probability, whose mass exceeds top_p; vLLM's rule), and the rest renormalised. The nucleus
+    is chosen without gradient; the log-probs stay differentiable. The target itself always stays
+    in: the engine sampled it, so it was in the engine's nucleus, and a token on the nucleus's
+    edge may fall the other side here by float noise (its log-prob would be -inf, its loss
+    infinite)."""
     import torch.distributed as dist
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     logits = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
     local_vocab = logits.shape[-1]
-    start = dist.get_rank(tp_group) * local_vocab if dist.get_world_size(tp_group) > 1 else 0
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    start = dist.get_rank(tp_group) * local_vocab if tp_size > 1 else 0
     columns = torch.arange(start, start + local_vocab, device=logits.device)
     logits = logits.masked_fill(columns >= vocab_size, float("-inf"))
+    if top_p < 1.0 or top_k > 0:
+        threshold = _nucleus_threshold(logits.detach(), targets, top_p, top_k, tp_group, tp_size)
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
     # megatron wants [seq, batch, vocab]; it returns -log p(target).
     nll = vocab_parallel_cross_entropy(
         logits.transpose(0, 1).contiguous(), targets.t().contiguous()
     )
     return -nll.t()
+
+
+def _nucleus_threshold(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    top_p: float,
+    top_k: int,
+    tp_group: Any,
+    tp_size: int,
+) -> torch.Tensor:
+    """[..., 1] the smallest logit each position keeps, as vLLM's `apply_top_k_top_p_pytorch`
+    picks it (sorted ascending: all but the top_k largest dropped; then a token is dropped while
+    the cumulative probability up to it is <= 1 - top_p; the most likely token always stays), or
+    the target's logit where that is lower. Under TP the whole vocabulary is gathered (no gradient:
+    [..., vocab] floats for the step)."""
+    import torch.distributed as dist
+
+    if tp_size > 1:
+        shards = [torch.empty_like(logits) for _ in range(tp_size)]
+        dist.all_gather(shards, logits.contiguous(), group=tp_group)
+        logits = torch.cat(shards, dim=-1)
+    ascending, _ = torch.sort(logits, dim=-1)
+    vocab = ascending.shape[-1]
+    dropped = torch.zeros_like(ascending, dtype=torch.bool)
+    if 0 < top_k < vocab:
+        dropped[..., : vocab - top_k] = True
+        ascending = ascending.masked_fill(dropped, float("-inf"))
+    if top_p < 1.0:
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        dropped |= cumulative <= 1 - top_p
+    dropped[..., -1] = False
+    first_kept = dropped.sum(dim=-1, keepdim=True)  # dropped tokens are a prefix
+    threshold = ascending.gather(-1, first_kept)
+    return torch.minimum(threshold, logits.gather(-1, targets.unsqueeze(-1)))

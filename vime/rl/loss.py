@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from vime.config import GRPOConfig
+from vime.config import GRPOConfig, OffPolicyConfig
+
+# exp() of a sequence-level log-weight overflows float32 past ~88; weights past e^20 are masked or
+# capped in any sensible configuration, and their metrics say so.
+MAX_LOG_WEIGHT = 20.0
 
 
 def kl_estimate(
@@ -64,6 +68,51 @@ def _masked_mean(
     return per_sequence.sum() / num_sequences if num_sequences else per_sequence.mean()
 
 
+def importance_log_weights(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, level: str
+) -> torch.Tensor:
+    """[batch, seq] log w of `level` (OffPolicyConfig): per token, or one per sample (its sum,
+    `sequence`, or mean, `geometric`, over the sample's tokens) on each of its tokens; 0 where
+    mask is 0."""
+    mask = mask.to(old_logprobs.dtype)
+    log_ratio = (old_logprobs - rollout_logprobs.to(old_logprobs.dtype)) * mask
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        per_sample = log_ratio.sum(dim=1, keepdim=True)
+    elif level == "geometric":
+        per_sample = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+    else:
+        raise ValueError(f"importance-weight level {level!r}: choose token, sequence or geometric")
+    return per_sample * mask
+
+
+def off_policy_weights(
+    log_weights: torch.Tensor, mask: torch.Tensor, config: OffPolicyConfig
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The factor each token's objective is multiplied by (detached): w capped at `cap`, 0 where
+    w leaves [mask_below, mask_above]; and its metrics over the tokens of `mask`."""
+    mask = mask.to(log_weights.dtype)
+    weight = torch.exp(log_weights.clamp(max=MAX_LOG_WEIGHT)).detach()
+    keep = torch.ones_like(weight, dtype=torch.bool)
+    if config.mask_below is not None:
+        keep &= weight >= config.mask_below
+    if config.mask_above is not None:
+        keep &= weight <= config.mask_above
+    factor = weight if config.cap is None else torch.clamp(weight, max=config.cap)
+    factor = factor * keep.to(weight.dtype)
+    metrics = {
+        "is_weight_mean": _masked_mean(weight, mask, True).item(),
+        "is_weight_max": weight.masked_fill(mask == 0, 0.0).max().item() if mask.any() else 1.0,
+        "is_masked_fraction": _masked_mean((~keep).to(weight.dtype), mask, True).item(),
+    }
+    if config.cap is not None:
+        metrics["is_capped_fraction"] = _masked_mean(
+            (weight > config.cap).to(weight.dtype), mask, True
+        ).item()
+    return factor, metrics
+
+
 def grpo_loss(
     train_logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,
@@ -89,8 +138,9 @@ def grpo_loss(
     num_batch_sequences: likewise without token_level_mean: the whole batch's sample count.
 
     Per token: ratio = exp(train - old); objective = min(ratio * A, clip(ratio) * A);
-    with tis_cap (needs old_logprobs) the objective is weighted by min(exp(old - rollout), tis_cap),
-    the truncated importance weight of the trainer's old policy over the engine's sampling policy;
+    with config.off_policy.level (needs old_logprobs) the objective is weighted by the importance
+    weight of the trainer's old policy over the engine's sampling policy, capped and masked as
+    configured (`off_policy_weights`);
     with kl_coef and kl_estimator k1 each token's advantage is lowered by kl_coef * (train - ref)
     (detached), with k3 kl_coef * (exp(ref - train) - (ref - train) - 1) is added to the loss;
     metric `kl_ref` is the estimate's token mean.
@@ -111,10 +161,12 @@ def grpo_loss(
         )
     if config.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs (log-probs under the reference policy)")
-    if config.tis_cap is not None and old_logprobs is None:
+    off_policy = config.off_policy
+    if off_policy.level != "off" and old_logprobs is None:
         raise ValueError(
-            "tis_cap needs old_logprobs (the trainer's log-probs before the update, e.g. "
-            "train_logprobs.detach()); with the rollout log-probs as old policy the weight is 1"
+            f"off_policy.level={off_policy.level} needs old_logprobs (the trainer's log-probs "
+            "before the update, e.g. train_logprobs.detach()); with the rollout log-probs as old "
+            "policy every weight is 1"
         )
     dtype = train_logprobs.dtype
     mask = mask.to(dtype)
@@ -137,14 +189,11 @@ def grpo_loss(
     clipped = torch.clamp(ratio, 1 - config.clip_low, 1 + config.clip_high) * advantage
     objective = torch.minimum(unclipped, clipped)
     metrics: dict[str, float] = {}
-    if config.tis_cap is not None:
-        raw_weight = torch.exp(old - rollout_logprobs)
-        objective = objective * torch.clamp(raw_weight, max=config.tis_cap)
-        with torch.no_grad():
-            metrics["tis_weight_mean"] = _masked_mean(raw_weight, mask, True).item()
-            metrics["tis_capped_fraction"] = _masked_mean(
-                (raw_weight > config.tis_cap).to(dtype), mask, True
-            ).item()
+    if off_policy.level != "off":
+        log_weights = importance_log_weights(old, rollout_logprobs, mask, off_policy.level)
+        factor, weight_metrics = off_policy_weights(log_weights, mask, off_policy)
+        objective = objective * factor
+        metrics.update(weight_metrics)
     loss = -_masked_mean(objective, mask, token_level, num_batch_tokens, num_batch_sequences)
 
     if kl is not None:
@@ -164,6 +213,8 @@ def grpo_loss(
             logprob_diff=_masked_mean(log_diff.abs(), mask, True).item(),
             # k1 estimate of KL(rollout || train) on the sampled tokens.
             kl_rollout=_masked_mean(-log_diff, mask, True).item(),
+            # k3 estimate of the same (non-negative, lower variance): the mismatch metric.
+            mismatch_kl=_masked_mean(torch.exp(log_diff) - log_diff - 1, mask, True).item(),
             ratio_mean=_masked_mean(ratio, mask, True).item(),
             ratio_max=masked_ratio.max().item() if mask.any() else 1.0,
             # Over the samples only (a micro-batch may end in padding rows without tokens).

@@ -38,7 +38,7 @@ from vime.megatron.model import (
     unwrap,
 )
 from vime.megatron.topology import Topology
-from vime.rl.loss import group_advantages, grpo_loss
+from vime.rl.loss import group_advantages, grpo_loss, importance_log_weights
 from vime.rl.samples import PackedBatch
 from vime.trainer.batches import MicroBatch, split_micro_batches
 from vime.trainer.gradients import clip_by_global_norm, reduce_gradients
@@ -53,7 +53,12 @@ class MegatronTrainer:
     """Owns the model shards and optimizer of this rank.
 
     `model` is the list of this rank's model chunks (one per virtual pipeline stage; one without
-    virtual stages), as megatron's schedules and vime's weight sync take it."""
+    virtual stages), as megatron's schedules and vime's weight sync take it.
+
+    `temperature`, `top_p`, `top_k`: the rollouts' sampling (`rollout.temperature` etc.).
+    The RL log-probs are those of the distribution the engines sampled from, as the engines
+    return them (`--logprobs-mode processed_logprobs`), so importance weights compare like with
+    like (`logprobs_from_logits`)."""
 
     def __init__(
         self,
@@ -63,6 +68,9 @@ class MegatronTrainer:
         topology: Topology,
         grpo: GRPOConfig,
         dp_group: Any = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
     ):
         torch.manual_seed(config.seed)
         if torch.cuda.is_available():
@@ -72,6 +80,7 @@ class MegatronTrainer:
             tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
         self.config = config
         self.grpo = grpo
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.topology = topology
         self.dp_group = dp_group
         self.hf_config = load_hf_config(model_path)
@@ -169,12 +178,23 @@ class MegatronTrainer:
             forward_only=forward_only,
         )
 
-    def _logprobs(self, output: torch.Tensor, micro: MicroBatch, model: list[torch.nn.Module]):
+    def _logprobs(
+        self,
+        output: torch.Tensor,
+        micro: MicroBatch,
+        model: list[torch.nn.Module],
+        sampled: bool = True,
+    ) -> torch.Tensor:
+        """The targets' log-probs: under the rollouts' sampling distribution (`sampled`, RL),
+        or the model's own (supervised steps)."""
         return logprobs_from_logits(
             output,
             micro.input_ids[:, 1:],
             vocab_size=self.vocab_size,
             tp_group=unwrap(model[-1]).output_layer.tp_group,  # the last chunk has the head
+            temperature=self.temperature if sampled else 1.0,
+            top_p=self.top_p if sampled else 1.0,
+            top_k=self.top_k if sampled else -1,
         )
 
     def _reference_logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
@@ -221,6 +241,8 @@ class MegatronTrainer:
         # Normalise by the whole batch's token count, so micro-batches and DP ranks sum to its mean.
         num_batch_tokens = float(batch.loss_mask.sum())
         stats = StepStats()
+        off_policy = self.grpo.off_policy
+        weighted = off_policy.level != "off"
 
         def loss_of(micro: MicroBatch, output: torch.Tensor):
             train_logprobs = self._logprobs(output, micro, self.model)
@@ -230,14 +252,19 @@ class MegatronTrainer:
                 micro.advantages,
                 micro.mask,
                 config=self.grpo,
-                # One update per batch: the policy before it is the one being trained, so truncated
-                # IS weighs exp(old - rollout) with old = the current log-probs, detached.
-                old_logprobs=train_logprobs.detach() if self.grpo.tis_cap is not None else None,
+                # One update per batch: the policy before it is the one being trained, so the
+                # importance weights are exp(old - rollout) with old = the current log-probs.
+                old_logprobs=train_logprobs.detach() if weighted else None,
                 ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro.index],
                 num_batch_tokens=num_batch_tokens,
                 num_batch_sequences=float(batch.input_ids.shape[0]),
             )
             stats.add(metrics, float(micro.mask.sum()))
+            if weighted:
+                log_weights = importance_log_weights(
+                    train_logprobs.detach(), micro.rollout_logprobs, micro.mask, off_policy.level
+                )
+                stats.add_histogram("is_weight", log_weights, micro.mask)
             if weight_version is not None and micro.versions is not None:
                 stats.add_same_version(train_logprobs.detach(), micro, weight_version)
             # (loss, token count, collected): the schedule backpropagates the loss as it is.
@@ -262,7 +289,7 @@ class MegatronTrainer:
         stats = StepStats()
 
         def loss_of(micro: MicroBatch, output: torch.Tensor):
-            logprobs = self._logprobs(output, micro, self.model)
+            logprobs = self._logprobs(output, micro, self.model, sampled=False)
             loss = -(logprobs * micro.mask).sum() / num_batch_tokens
             tokens = float(micro.mask.sum())
             with torch.no_grad():
