@@ -42,7 +42,8 @@ import torch.distributed as dist
 
 from vime.cluster.addresses import check_engines_reachable, node_address
 from vime.config import BroadcastTransportConfig, ClusterConfig, EngineConfig, WeightSyncConfig
-from vime.engines.generation import GenerationClient, GenerationResult, SamplingConfig
+from vime.engines.generate_api import GenerationResult, SamplingConfig
+from vime.engines.generation import GenerationClient
 from vime.engines.ray_engine import launch_or_attach
 from vime.utils.collectives import broadcast_object
 from vime.utils.net import is_loopback

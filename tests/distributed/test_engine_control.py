@@ -15,7 +15,8 @@ import requests
 from engine_token import HEADERS, TOKEN
 
 from vime.config import EngineConfig
-from vime.engines.generation import GenerationClient, SamplingConfig
+from vime.engines.generate_api import SamplingConfig
+from vime.engines.generation import GenerationClient
 from vime.engines.server import EngineStartError
 from vime.engines.vllm_engine import FlushCacheError, VLLMEngine
 from vime.utils.http import EngineHTTPError
@@ -294,7 +295,7 @@ def test_flush_cache_after_keep_pause(engine):
     assert all(len(r.token_ids) == sampling.max_tokens for r in results)
     # clear_cache=False: frozen requests keep their KV; the flush fails within its bound, no hang.
     waited_s, results = asyncio.run(run(clear_cache=False))
-    assert waited_s < 5
+    assert waited_s < 15  # 0.5 s and the last call (slow on a loaded machine), never a hang
     assert all(len(r.token_ids) == sampling.max_tokens for r in results)
     # Idle engine: the flush succeeds at once.
     assert engine.flush_cache(timeout_s=5) is True

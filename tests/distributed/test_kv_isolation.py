@@ -20,7 +20,8 @@ import threading
 import pytest
 import torch
 
-from vime.engines.generation import GenerationClient, SamplingConfig
+from vime.engines.generate_api import SamplingConfig
+from vime.engines.generation import GenerationClient
 from vime.testing.hf import load_hf_model
 from vime.testing.tiny_model import build_tiny_model
 

@@ -116,7 +116,8 @@ class InflightRequest:
     """A greedy streamed request on its own thread and event loop."""
 
     def __init__(self, url: str):
-        from vime.engines.generation import GenerationClient, SamplingConfig
+        from vime.engines.generate_api import SamplingConfig
+        from vime.engines.generation import GenerationClient
 
         self.seen_tokens = threading.Event()
         self.result = None

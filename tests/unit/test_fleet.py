@@ -12,7 +12,8 @@ import pytest
 from aiohttp import web
 
 from vime.config import FleetConfig, ScaleUpPolicy, TrainConfig
-from vime.engines.generation import GenerationClient, SamplingConfig
+from vime.engines.generate_api import SamplingConfig
+from vime.engines.generation import GenerationClient
 from vime.fleet.requests import REQUESTS_FILE, request_change
 
 pytestmark = pytest.mark.unit
@@ -75,6 +76,74 @@ def test_joiners_serve_only_once_marked_up_and_drained_engines_finish_what_they_
                 assert client.num_in_flight(0) == 0
                 with pytest.raises(ValueError, match="already engine 1"):
                     client.add_engine(url1 + "/")
+        finally:
+            await r0.cleanup()
+            await r1.cleanup()
+
+    asyncio.run(run())
+
+
+def test_a_group_shares_one_engine_least_loaded_between_groups_and_moves_when_it_goes_down():
+    """Routing by affinity (a GRPO group): a key's requests go to one engine, picked least-loaded
+    when the key is new; without a key each request goes least-loaded; a key whose engine drains
+    or goes down moves (least-loaded again), its requests lost there resubmitted with it;
+    `release` forgets a key."""
+    sampling = SamplingConfig(max_tokens=1)
+
+    def submit(client: GenerationClient, count: int, key: str | None) -> list[asyncio.Future]:
+        return [
+            asyncio.ensure_future(client.generate([1], sampling, affinity=key))
+            for _ in range(count)
+        ]
+
+    async def urls_of(futures: list[asyncio.Future]) -> list[str]:
+        return [result.engine_url for result in await asyncio.gather(*futures)]
+
+    async def run() -> None:
+        served: list[str] = []
+        release = asyncio.Event()
+        (r0, url0), (r1, url1) = (
+            await _engine("e0", served, release),
+            await _engine("e1", served, release),
+        )
+        try:
+            async with GenerationClient([url0, url1]) as client:
+                groups = [submit(client, 4, f"g{index}") for index in range(3)]
+                await asyncio.sleep(0)  # every task has picked its engine
+                # g0 -> e0 (both idle); g1 -> e1 (e0 holds 4); g2 -> e0 (4 and 4: the first).
+                assert (client.num_in_flight(0), client.num_in_flight(1)) == (8, 4)
+                loose = submit(client, 4, None)
+                await asyncio.sleep(0)
+                assert (client.num_in_flight(0), client.num_in_flight(1)) == (8, 8)
+                # g1's engine drains: g1's next request moves (least-loaded: e0); g0 stays.
+                client.drain(1)
+                await asyncio.sleep(0)
+                moved, stayed = submit(client, 1, "g1"), submit(client, 1, "g0")
+                release.set()
+                assert [set(await urls_of(group)) for group in groups] == [{url0}, {url1}, {url0}]
+                assert await urls_of(loose) == [url1] * 4
+                assert await urls_of(moved + stayed) == [url0, url0]
+
+            release.clear()
+            async with GenerationClient([url0, url1]) as client:
+                held = submit(client, 2, "busy")  # e0: both idle, the first
+                await asyncio.sleep(0)
+                assert (client.num_in_flight(0), client.num_in_flight(1)) == (2, 0)
+                client.mark_down(0)  # cancelled there, resubmitted: the key moves to e1
+                for _ in range(1000):
+                    if client.num_in_flight(1) == 2:
+                        break
+                    await asyncio.sleep(0.01)
+                after_down = submit(client, 1, "busy")
+                await asyncio.sleep(0)
+                client.mark_up(0)
+                client.release("busy")
+                await asyncio.sleep(0)
+                fresh = submit(client, 1, "busy")  # released: least-loaded now, e0
+                release.set()
+                assert await urls_of(held + after_down) == [url1] * 3
+                assert await urls_of(fresh) == [url0]
+                assert client.num_resubmitted == 2
         finally:
             await r0.cleanup()
             await r1.cleanup()

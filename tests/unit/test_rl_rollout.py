@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vime.config import RolloutConfig
-from vime.engines.generation import GenerationResult
+from vime.engines.generate_api import GenerationResult
 from vime.rl.data import (
     DIGIT_REPEAT_TEST,
     DIGIT_REPEAT_TRAIN,
@@ -54,9 +54,12 @@ class FakeClient:
         self.counter = itertools.count()
         self.closed = False
         self.salts: list[str | None] = []
+        self.affinities: list[str | None] = []
+        self.released: list[str] = []
 
-    async def generate(self, prompt_token_ids, sampling, cache_salt=None):
+    async def generate(self, prompt_token_ids, sampling, cache_salt=None, affinity=None):
         self.salts.append(cache_salt)
+        self.affinities.append(affinity)
         self.calls += 1
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -93,6 +96,9 @@ class FakeClient:
             time.time(),
             num_cached_tokens=self.num_cached_tokens,
         )
+
+    def release(self, affinity):
+        self.released.append(affinity)
 
     async def close(self):
         self.closed = True
@@ -210,6 +216,33 @@ def test_generate_batch_groups_rewards_and_records():
     assert metrics["rollout/reward_mean"] == pytest.approx(0.25)
     assert metrics["staleness/lag_mean"] == 2
     assert metrics["rollout/truncated_fraction"] == 0
+
+
+def test_a_group_is_routed_as_one_and_released_when_done():
+    """routing: group gives each group's samples (and their retries) one affinity key, a new key
+    per group and batch, released once the group is done; routing: sample gives none."""
+    client = FakeClient(num_aborts=2)
+    asyncio.run(make_manager(client, max_in_flight=1).generate_batch(0))  # first two aborted
+    keys = list(client.affinities)
+    assert keys[0] == keys[1] == keys[2]  # a sample's retries keep its group's key
+    assert None not in keys and len(keys) == 12 + 2  # two retries of aborted samples
+    assert len(set(keys)) == 3 and sorted(client.released) == sorted(set(keys))
+    asyncio.run(make_manager(client).generate_batch(0))
+    assert not set(client.affinities[14:]) & set(keys)  # another batch, other keys
+    client = FakeClient()
+    asyncio.run(make_manager(client, routing="sample").generate_batch(0))
+    assert client.affinities == [None] * 12 and client.released == []
+
+
+def test_prompt_cache_hit_rate_is_cached_over_prompt_tokens():
+    prompt_len = len(CharTokenizer()(PROMPTS[0].prompt).input_ids)
+    client = FakeClient(num_cached_tokens=prompt_len // 2)
+    metrics = asyncio.run(make_manager(client).generate_batch(0)).metrics()
+    assert metrics["rollout/prompt_cache_hit_rate"] == pytest.approx(
+        (prompt_len // 2) / prompt_len, rel=0.2
+    )
+    unknown = asyncio.run(make_manager(FakeClient()).generate_batch(0)).metrics()
+    assert "rollout/prompt_cache_hit_rate" not in unknown
 
 
 def test_prompt_order_is_per_epoch_shuffle_and_deterministic():

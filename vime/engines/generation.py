@@ -15,104 +15,32 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
 
 from vime.engines.auth import auth_headers
+from vime.engines.generate_api import (
+    GenerationError,
+    GenerationResult,
+    SamplingConfig,
+    add_choices,
+    cached_tokens,
+    expand_weight_versions,
+)
 
 MAX_RESUBMISSIONS = 8  # a request lost with its engine is resubmitted at most this often
 
 
-class GenerationError(RuntimeError):
-    """A generate request failed; the message names the engine URL and carries the response body."""
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """The subset of vLLM SamplingParams vime uses (sent as they are).
-
-    `seed` on vLLM 0.32's CPU build: a seeded request that gets preempted (a keep pause with
-    clear_cache=True preempts every running request) kills the engine with "CPU Generator does not
-    use offset". Leave it None on CPU when pausing with clear_cache.
-    """
-
-    max_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-
-    def to_request(self) -> dict[str, Any]:
-        params = asdict(self)
-        params["stop_token_ids"] = list(self.stop_token_ids)
-        if self.seed is None:
-            params.pop("seed")
-        params["logprobs"] = 0  # log-prob of the sampled token only
-        # vLLM 0.32 reports wrong weight-version spans when detokenize is false (every token gets
-        # the version current at the first labelled step); with it on they are exact.
-        params["detokenize"] = True
-        return params
-
-
-@dataclass
-class GenerationResult:
-    """One finished (or aborted) request: every generated token with its log-prob and version."""
-
-    request_id: str
-    engine_url: str
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    weight_versions: list[str | None] = field(default_factory=list)
-    finish_reason: str | None = None
-    start_time: float = 0.0
-    end_time: float = 0.0
-    # Prompt tokens whose KV came from the prefix cache (None: the engine does not say; vime's
-    # launcher starts engines with --enable-prompt-tokens-details, and with streaming it comes
-    # only with stream_options.include_usage).
-    num_cached_tokens: int | None = None
-
-    @property
-    def aborted(self) -> bool:
-        return self.finish_reason == "abort"
-
-
-def _cached_tokens(body: dict[str, Any], default: int | None = None) -> int | None:
-    """usage.prompt_tokens_details.cached_tokens of a response, if it has one."""
-    details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens")
-    return int(cached) if isinstance(cached, int) else default
-
-
-def _add_choices(result: GenerationResult, choices: list[dict[str, Any]]) -> list[dict] | None:
-    """Append one response's (or stream chunk's) tokens to result; return its version spans."""
-    spans = None
-    for choice in choices:
-        result.token_ids.extend(choice.get("token_ids") or [])
-        content = (choice.get("logprobs") or {}).get("content") or []
-        result.logprobs.extend(entry["logprob"] for entry in content)
-        if choice.get("finish_reason") is not None:
-            result.finish_reason = choice["finish_reason"]
-        if choice.get("weight_versions") is not None:
-            spans = choice["weight_versions"]
-    return spans
-
-
-def expand_weight_versions(spans: list[dict[str, Any]] | None, num_tokens: int) -> list[str | None]:
-    """Turn vLLM's [{version, start, end}) spans into one version per output token."""
-    versions: list[str | None] = [None] * num_tokens
-    for span in spans or []:
-        for index in range(span["start"], min(span["end"], num_tokens)):
-            versions[index] = span["version"]
-    return versions
-
-
 class GenerationClient:
-    """Async client spreading requests over engines (least requests in flight first)."""
+    """Async client spreading requests over engines (least requests in flight first).
+
+    Requests that share an `affinity` key (a GRPO group: one prompt, several samples) go to the
+    same engine, picked least-loaded when the key is first seen, so the prompt's KV is computed
+    once and reused from that engine's prefix cache; the key keeps its engine (for retries too)
+    until `release(key)`, or until that engine goes down or drains (the key then moves, least-
+    loaded again).
+    """
 
     def __init__(
         self,
@@ -145,6 +73,7 @@ class GenerationClient:
         self._tasks: dict[str, set[asyncio.Task]] = {url: set() for url in self.urls}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
+        self._affinity: dict[str, str] = {}  # key -> its engine's url
 
     async def __aenter__(self) -> GenerationClient:
         return self
@@ -188,18 +117,21 @@ class GenerationClient:
         on_tokens: Callable[[GenerationResult], None] | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        affinity: str | None = None,
     ) -> GenerationResult:
         """Generate one completion; `on_tokens(result)` is called after each streamed chunk.
 
         `cache_salt`: vLLM's prefix-cache salt; requests with different salts never share KV
         blocks (the RL job salts each request with the weight version the engines serve).
+        `affinity`: requests with the same key share an engine (see the class); `engine_index`
+        pins one engine instead.
 
         With fault tolerance, a request lost with its engine (the engine is marked down, see
         `mark_down`) is submitted again, from scratch, once an engine is back.
         """
         request_id = request_id or f"vime-{uuid.uuid4().hex[:16]}"
         for attempt in range(MAX_RESUBMISSIONS + 1):
-            url = await self._wait_for_engine(engine_index)
+            url = await self._wait_for_engine(engine_index, affinity)
             result = GenerationResult(
                 request_id=request_id if attempt == 0 else f"{request_id}-r{attempt}",
                 engine_url=url,
@@ -308,7 +240,11 @@ class GenerationClient:
             self._changed.set()
             self._changed = asyncio.Event()
 
-    async def _wait_for_engine(self, engine_index: int | None) -> str:
+    def release(self, affinity: str) -> None:
+        """The requests of `affinity` are done: its next request picks an engine afresh."""
+        self._affinity.pop(affinity, None)
+
+    async def _wait_for_engine(self, engine_index: int | None, affinity: str | None = None) -> str:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
             self._changed = asyncio.Event()
@@ -319,8 +255,13 @@ class GenerationClient:
                     return url
             else:
                 up = [url for url in self.urls if url not in self._down | self._draining]
+                if affinity is not None and self._affinity.get(affinity) in up:
+                    return self._affinity[affinity]
                 if up:
-                    return min(up, key=lambda url: self._in_flight[url])
+                    url = min(up, key=lambda url: self._in_flight[url])
+                    if affinity is not None:
+                        self._affinity[affinity] = url
+                    return url
             assert self._changed is not None  # made with the loop above
             await self._changed.wait()
 
@@ -357,8 +298,8 @@ class GenerationClient:
                     raise GenerationError(f"POST {endpoint} -> HTTP {response.status}: {body}")
                 if not payload["stream"]:
                     body = await response.json()
-                    spans = _add_choices(result, body["choices"])
-                    result.num_cached_tokens = _cached_tokens(body)
+                    spans = add_choices(result, body["choices"])
+                    result.num_cached_tokens = cached_tokens(body)
                     return self._finish(endpoint, result, spans)
                 async for raw_line in response.content:
                     line = raw_line.strip()
@@ -370,8 +311,8 @@ class GenerationClient:
                     chunk = json.loads(data)
                     if "error" in chunk:
                         raise GenerationError(f"POST {endpoint}: stream error {chunk['error']}")
-                    spans = _add_choices(result, chunk["choices"]) or spans
-                    result.num_cached_tokens = _cached_tokens(chunk, result.num_cached_tokens)
+                    spans = add_choices(result, chunk["choices"]) or spans
+                    result.num_cached_tokens = cached_tokens(chunk, result.num_cached_tokens)
                     if on_tokens is not None:
                         on_tokens(result)
         except aiohttp.ClientError as exc:

@@ -27,11 +27,13 @@ import math
 import random
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from vime.config import RolloutConfig
-from vime.engines.generation import GenerationClient, GenerationResult, SamplingConfig
+from vime.engines.generate_api import GenerationResult, SamplingConfig
+from vime.engines.generation import GenerationClient
 from vime.rl.data import PromptRecord, load_prompts, resolve_data_path
 from vime.rl.rewards import RewardFn, load_reward_fn
 from vime.rl.samples import (
@@ -113,14 +115,14 @@ class RolloutManager:
     async def generate_batch(self, step: int, weight_version: int | None = None) -> RolloutBatch:
         """Generate num_prompts_per_step groups of num_samples_per_prompt samples, all in flight.
         `weight_version`: what the engines serve now (each request's cache salt)."""
-        group_size = self.config.num_samples_per_prompt
         start_time = time.time()
-        coroutines = [
-            self._sample(prompt_index, group_index, sample_index, weight_version)
+        batch_key = uuid.uuid4().hex[:12]
+        groups = [
+            self._group(prompt_index, group_index, weight_version, f"{batch_key}-{group_index}")
             for group_index, prompt_index in enumerate(self.prompt_indices(step))
-            for sample_index in range(group_size)
         ]
-        samples = list(await asyncio.gather(*coroutines))
+        samples = [sample for group in await asyncio.gather(*groups) for sample in group]
+        group_size = self.config.num_samples_per_prompt
         batch = RolloutBatch(
             step=step,
             samples=samples,
@@ -137,30 +139,57 @@ class RolloutManager:
         )
         return batch
 
+    async def _group(
+        self, prompt_index: int, group_index: int, version: int | None, key: str
+    ) -> list[RolloutSample]:
+        """One group's samples, all in flight; with `routing: group` on one engine (`key`)."""
+        affinity = key if self.config.routing == "group" else None
+        try:
+            return list(
+                await asyncio.gather(
+                    *(
+                        self._sample(prompt_index, group_index, sample_index, version, affinity)
+                        for sample_index in range(self.config.num_samples_per_prompt)
+                    )
+                )
+            )
+        finally:
+            if affinity is not None:
+                self.client.release(affinity)
+
     async def _generate(
-        self, prompt_ids: list[int], salt: str | None
+        self, prompt_ids: list[int], salt: str | None, affinity: str | None
     ) -> tuple[GenerationResult, int]:
         """Generate, resubmitting aborted requests; after max_aborted_retries the aborted (possibly
         empty) result is kept: its finish_reason says "abort" and it adds no tokens to the loss."""
         retries = 0
         while True:
             if self._limit is None:
-                result = await self.client.generate(prompt_ids, self.sampling, cache_salt=salt)
+                result = await self.client.generate(
+                    prompt_ids, self.sampling, cache_salt=salt, affinity=affinity
+                )
             else:
                 async with self._limit:
-                    result = await self.client.generate(prompt_ids, self.sampling, cache_salt=salt)
+                    result = await self.client.generate(
+                        prompt_ids, self.sampling, cache_salt=salt, affinity=affinity
+                    )
             if not result.aborted or retries >= self.config.max_aborted_retries:
                 return result, retries
             retries += 1
 
     async def _sample(
-        self, prompt_index: int, group_index: int, sample_index: int, version: int | None
+        self,
+        prompt_index: int,
+        group_index: int,
+        sample_index: int,
+        version: int | None,
+        affinity: str | None = None,
     ) -> RolloutSample:
         record = self.prompts[prompt_index]
         salt = None
         if self.config.salt_by_version and version is not None:
             salt = f"vime-weights-{version}"
-        result, retries = await self._generate(self._prompt_ids[prompt_index], salt)
+        result, retries = await self._generate(self._prompt_ids[prompt_index], salt, affinity)
         completion = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         reward = self.reward_fn(record.prompt, completion, record.metadata)
         if (

@@ -203,6 +203,14 @@ class RolloutBatch:
             "rollout/time_s": duration,
             "rollout/tokens_per_s": sum(lengths) / duration,
         }
+        known = [s for s in self.samples if s.num_cached_tokens is not None]
+        if known:
+            # The engines' prefix-cache hits on the prompts (group routing keeps a group's prompt
+            # on one engine: all but its first sample can hit).
+            prompt_tokens = sum(len(s.prompt_token_ids) for s in known)
+            metrics["rollout/prompt_cache_hit_rate"] = sum(
+                s.num_cached_tokens or 0 for s in known
+            ) / max(prompt_tokens, 1)
         if trainer_version is not None:
             metrics.update(staleness_metrics(self.samples, trainer_version))
         return metrics

@@ -1,0 +1,96 @@
+"""vLLM's `/inference/v1/generate` as vime speaks it (servers launched with
+`--enable-scale-out`): the sampling parameters sent, and what comes back per request (token ids,
+their log-probs, the weight-version spans expanded to one version per token, the prompt tokens
+served from the prefix cache). `vime.engines.generation` sends the requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class GenerationError(RuntimeError):
+    """A generate request failed; the message names the engine URL and carries the response body."""
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """The subset of vLLM SamplingParams vime uses (sent as they are).
+
+    `seed` on vLLM 0.32's CPU build: a seeded request that gets preempted (a keep pause with
+    clear_cache=True preempts every running request) kills the engine with "CPU Generator does not
+    use offset". Leave it None on CPU when pausing with clear_cache.
+    """
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    def to_request(self) -> dict[str, Any]:
+        params = asdict(self)
+        params["stop_token_ids"] = list(self.stop_token_ids)
+        if self.seed is None:
+            params.pop("seed")
+        params["logprobs"] = 0  # log-prob of the sampled token only
+        # vLLM 0.32 reports wrong weight-version spans when detokenize is false (every token gets
+        # the version current at the first labelled step); with it on they are exact.
+        params["detokenize"] = True
+        return params
+
+
+@dataclass
+class GenerationResult:
+    """One finished (or aborted) request: every generated token with its log-prob and version."""
+
+    request_id: str
+    engine_url: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[str | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    start_time: float = 0.0
+    end_time: float = 0.0
+    # Prompt tokens whose KV came from the prefix cache (None: the engine does not say; vime's
+    # launcher starts engines with --enable-prompt-tokens-details, and with streaming it comes
+    # only with stream_options.include_usage).
+    num_cached_tokens: int | None = None
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason == "abort"
+
+
+def cached_tokens(body: dict[str, Any], default: int | None = None) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens of a response, if it has one."""
+    details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens")
+    return int(cached) if isinstance(cached, int) else default
+
+
+def add_choices(result: GenerationResult, choices: list[dict[str, Any]]) -> list[dict] | None:
+    """Append one response's (or stream chunk's) tokens to result; return its version spans."""
+    spans = None
+    for choice in choices:
+        result.token_ids.extend(choice.get("token_ids") or [])
+        content = (choice.get("logprobs") or {}).get("content") or []
+        result.logprobs.extend(entry["logprob"] for entry in content)
+        if choice.get("finish_reason") is not None:
+            result.finish_reason = choice["finish_reason"]
+        if choice.get("weight_versions") is not None:
+            spans = choice["weight_versions"]
+    return spans
+
+
+def expand_weight_versions(spans: list[dict[str, Any]] | None, num_tokens: int) -> list[str | None]:
+    """Turn vLLM's [{version, start, end}) spans into one version per output token."""
+    versions: list[str | None] = [None] * num_tokens
+    for span in spans or []:
+        for index in range(span["start"], min(span["end"], num_tokens)):
+            versions[index] = span["version"]
+    return versions
