@@ -175,6 +175,7 @@ def test_keep_pause_freezes_and_resume_completes_everything(engine):
 
     async def run():
         first_tokens = FirstTokens()
+        before = server_generated_tokens(url)
         async with GenerationClient([url], token=TOKEN) as client:
             tasks = start_streams(client, sampling=sampling, on_tokens=first_tokens)
             await first_tokens.wait(NUM_STREAMING)
@@ -188,18 +189,22 @@ def test_keep_pause_freezes_and_resume_completes_everything(engine):
             engine.update_weight_version("after-resume")
             engine.continue_generation()
             results = await asyncio.gather(*tasks)
-        return at_pause, after_wait, paused, results
+        return at_pause - before, at_pause, after_wait, paused, results
 
-    at_pause, after_wait, paused, results = asyncio.run(run())
+    made, at_pause, after_wait, paused, results = asyncio.run(run())
     assert paused is True
     assert after_wait == at_pause, "the server generated tokens while paused with keep"
     assert engine.is_paused() is False
     for result in results:
         assert len(result.token_ids) == sampling.max_tokens
         assert result.finish_reason == "length" and not result.aborted
-        # Paused mid-stream: old-version tokens, then only new-version tokens, none in between.
+        # Old-version tokens, then only new-version ones, none in between (the pause lands
+        # mid-stream as a rule: every request had streamed a token when it was sent).
         runs = version_runs(result.weight_versions)
-        assert [version for version, _ in runs] == [old_version, "after-resume"], runs
+        assert [v for v, _ in runs] in ([old_version, "after-resume"], [old_version]), runs
+    # Exactly the tokens made after the resume (the server's count at the pause) are new.
+    resumed = sum(r.weight_versions.count("after-resume") for r in results)
+    assert resumed == NUM_STREAMING * sampling.max_tokens - made > 0
 
 
 def test_abort_pause_returns_partial_results_marked_aborted(engine):
@@ -208,24 +213,28 @@ def test_abort_pause_returns_partial_results_marked_aborted(engine):
 
     async def run():
         first_tokens = FirstTokens()
+        before = server_generated_tokens(url)
         async with GenerationClient([url], token=TOKEN) as client:
             tasks = start_streams(client, sampling=sampling, on_tokens=first_tokens)
             await first_tokens.wait(NUM_STREAMING)
-            # The gate: a keep pause freezes every request still running, then the abort pause
-            # aborts exactly those (vLLM's abort finishes every request the scheduler holds).
+            # A keep pause freezes every request still running (as a rule all of them: the client
+            # has seen each stream a token), then the abort pause aborts exactly those (vLLM's
+            # abort finishes every request the scheduler holds).
             await asyncio.to_thread(engine.pause_generation, "keep", False)
+            made = server_generated_tokens(url) - before
             await asyncio.to_thread(engine.pause_generation, "abort", True)
             results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
             engine.continue_generation()
-        return results
+        return made, results
 
-    results = asyncio.run(run())
+    made, results = asyncio.run(run())
     aborted = [result for result in results if result.aborted]
-    # A request may finish just before the abort lands; it must then be whole, never lost.
-    assert len(aborted) >= NUM_STREAMING // 2, [r.finish_reason for r in results]
+    # Whatever had not finished at the pause is aborted with what it had; what had finished is
+    # whole; every token the server made came back (the server's own count at the pause).
     assert all(len(r.token_ids) == sampling.max_tokens for r in results if not r.aborted)
     assert all(len(result.token_ids) < sampling.max_tokens for result in aborted)
-    assert sum(len(result.token_ids) for result in aborted) > 0, "nothing partial came back"
+    assert sum(len(result.token_ids) for result in results) == made
+    assert bool(aborted) == (made < NUM_STREAMING * sampling.max_tokens), made
     assert all(len(result.logprobs) == len(result.token_ids) for result in results)
 
 
@@ -269,10 +278,15 @@ def test_flush_cache_after_keep_pause(engine):
 
     async def run(clear_cache: bool):
         first_tokens = FirstTokens()
+        before = server_generated_tokens(url)
         async with GenerationClient([url], token=TOKEN) as client:
             tasks = start_streams(client, sampling=sampling, on_tokens=first_tokens)
             await first_tokens.wait(NUM_STREAMING)
             await asyncio.to_thread(engine.pause_generation, "keep", clear_cache)
+            made = server_generated_tokens(url) - before
+            # The check needs requests frozen mid-stream (the server's count says so): every
+            # request had streamed a token when the pause was sent, so as a rule all are.
+            assert made < NUM_STREAMING * sampling.max_tokens, "every request ended first"
             try:
                 if clear_cache:
                     outcome = engine.flush_cache(timeout_s=10)
@@ -286,7 +300,8 @@ def test_flush_cache_after_keep_pause(engine):
                 engine.continue_generation()
             results = await asyncio.gather(*tasks)
         assert all(r.weight_versions[0] != f"flushed-{clear_cache}" for r in results)
-        assert all(r.weight_versions[-1] == f"flushed-{clear_cache}" for r in results)
+        flushed = sum(r.weight_versions.count(f"flushed-{clear_cache}") for r in results)
+        assert flushed == NUM_STREAMING * sampling.max_tokens - made
         return outcome, results
 
     # clear_cache=True preempts the frozen requests: their blocks are free, the flush succeeds.
@@ -310,9 +325,11 @@ def test_two_ray_engines_pause_and_resume_concurrently(ray_engines):
             [actor.pause_generation.remote("keep", False) for actor in actors], timeout=60
         )
 
-    # The gate: each engine gets NUM_STREAMING requests and is paused (keep) the moment all of
-    # them have streamed a token, so no request can finish before the pause however unevenly
-    # the two engines run on a loaded machine. The concurrent pause below then finds both paused.
+    # Each engine gets NUM_STREAMING requests and is paused (keep) the moment the client has seen
+    # all of them stream a token (so that, as a rule, the pause lands mid-stream); the concurrent
+    # pause below then finds both paused. What is asserted does not depend on where the pause
+    # landed: the servers' own token counts at the pause say how many tokens each engine made
+    # before it, and exactly the rest must carry the label set while paused.
     seen: list[set[str]] = [set() for _ in urls]
     gates: list = [None for _ in urls]
 
@@ -324,6 +341,7 @@ def test_two_ray_engines_pause_and_resume_concurrently(ray_engines):
             gates[index] = actors[index].pause_generation.remote("keep", False)
 
     async def run():
+        before = [server_generated_tokens(url) for url in urls]
         async with GenerationClient(urls, token=TOKEN) as client:
             tasks = [
                 asyncio.create_task(
@@ -349,17 +367,25 @@ def test_two_ray_engines_pause_and_resume_concurrently(ray_engines):
                 ray.get, [actor.continue_generation.remote() for actor in actors], timeout=60
             )
             results = await asyncio.gather(*tasks)
-        return paused, at_pause, after_wait, results
+        return before, paused, at_pause, after_wait, results
 
-    paused, at_pause, after_wait, results = asyncio.run(run())
+    before, paused, at_pause, after_wait, results = asyncio.run(run())
     assert paused == [True, True]
     assert after_wait == at_pause
     assert [urls.index(r.engine_url) for r in results] == [
         index for index in range(len(urls)) for _ in range(NUM_STREAMING)
     ]
     assert all(len(r.token_ids) == sampling.max_tokens and not r.aborted for r in results)
-    runs = [(urls.index(r.engine_url), version_runs(r.weight_versions)) for r in results]
-    assert all(len(run) == 2 and run[-1][0] == "v-resumed" for _, run in runs), runs
+    for index in range(len(urls)):
+        mine = [r for r in results if urls.index(r.engine_url) == index]
+        made_before = at_pause[index] - before[index]
+        resumed = sum(r.weight_versions.count("v-resumed") for r in mine)
+        # Every token made after the resume, and no other, carries the new label; each request
+        # holds one run of the old label (if it had started) followed by one of the new.
+        assert resumed == NUM_STREAMING * sampling.max_tokens - made_before, (index, made_before)
+        for result in mine:
+            runs = version_runs(result.weight_versions)
+            assert len(runs) <= 2 and all(v != "v-resumed" for v, _ in runs[:-1]), runs
 
 
 def test_bad_request_error_carries_response_body(engine):
