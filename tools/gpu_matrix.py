@@ -96,7 +96,7 @@ def overrides(case: Case, device: str, run_dir: Path) -> list[str]:
         f"weight_sync.transport={{kind: {case.kind}, device: {device}, delta: true}}",
         "weight_sync.verify_checksums=true",
         f"num_steps={STEPS}",
-        "loop=sync",
+        "rollout.max_staleness=0",
         "rollout.num_prompts_per_step=2",
         "rollout.num_samples_per_prompt=4",
         *case.overrides,

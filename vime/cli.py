@@ -17,7 +17,7 @@ COMMANDS = {
     "slurm": ("vime.cluster.slurm", "render (--dry-run) or submit the multi-node sbatch job"),
     "fleet": ("vime.fleet.requests", "ask a running job to add engines (join) or drain some"),
     "bench-sync": ("vime.bench.sync", "weight-sync phases vs the memcpy floor, disk and naive"),
-    "bench-loop": ("vime.bench.loop", "step throughput of the sync vs the async RL loop"),
+    "bench-loop": ("vime.bench.loop", "step throughput of the RL loop at several staleness bounds"),
     "bench-repack": ("vime.bench.repack", "vLLM CPU's kernel repack of a checkpoint, alone"),
     "ipc-check": ("vime.weight_sync.ipc_check", "the CUDA IPC transport on one GPU, no vLLM"),
 }

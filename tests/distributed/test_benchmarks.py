@@ -87,8 +87,8 @@ def test_bench_sync_reports_every_method_and_phase(tmp_path, engine_pool):
     assert all(engine.health() for engine in engines.values())
 
 
-def test_bench_loop_times_both_loops(tmp_path, tiny_model_dir, engine_pool):
-    """Both loops on the session's shared shm engine, attached by URL (each job syncs its
+def test_bench_loop_times_each_staleness_bound(tmp_path, tiny_model_dir, engine_pool):
+    """K = 0 and K = 2 on the session's shared shm engine, attached by URL (each job syncs its
     trainer's weights in as version 0 first)."""
     engine = engine_pool.get("shm")["shm"]
     out = tmp_path / "bench"
@@ -101,6 +101,9 @@ def test_bench_loop_times_both_loops(tmp_path, tiny_model_dir, engine_pool):
             "4",
             "--skip",
             "1",
+            "--staleness",
+            "0",
+            "2",
             "--out",
             str(out),
             f"engine.model_path={tiny_model_dir}",
@@ -112,13 +115,18 @@ def test_bench_loop_times_both_loops(tmp_path, tiny_model_dir, engine_pool):
         ],
         timeout=600,
     )
-    assert "async step throughput" in completed.stdout
+    assert "K=2: step throughput" in completed.stdout
     document = json.loads((out / "bench_loop.json").read_text())
-    for loop in ("sync", "async"):
-        figures = document["figures"][loop]
+    for k in ("0", "2"):
+        figures = document["figures"][k]
         assert figures["steps_timed"] == 3
         assert 0 < figures["generate_s"] and 0 < figures["train_s"] < figures["step_s"] * 2
-        assert (out / loop / "metrics.jsonl").exists()
-    assert document["async_speedup"] == pytest.approx(
-        document["figures"]["sync"]["step_s"] / document["figures"]["async"]["step_s"]
+        assert 0 < figures["engine_occupied"] <= 1 and figures["dropped_stale"] == 0
+        assert (out / f"staleness-{k}" / "metrics.jsonl").exists()
+    assert document["speedup_over_0"]["2"] == pytest.approx(
+        document["figures"]["0"]["step_s"] / document["figures"]["2"]["step_s"]
     )
+    # K = 0 trains on samples of the trainer's own version; K = 2 on some older ones.
+    assert document["figures"]["0"]["lag_mean"] == 0
+    rows = [json.loads(line) for line in (out / "staleness-2" / "metrics.jsonl").open()]
+    assert max(r["staleness/lag_max"] for r in rows) <= 2

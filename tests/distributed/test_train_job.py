@@ -231,7 +231,7 @@ def test_sync_loop_with_virtual_pipeline_stages_with_kl_and_rollouts(
         "trainer.virtual_pipeline_parallel_size=2",
         "weight_sync.verify_checksums=true",
         "num_steps=2",
-        "loop=sync",
+        "rollout.max_staleness=0",
         "rollout.num_prompts_per_step=2",
         "rollout.num_samples_per_prompt=4",
         "grpo.kl_coef=0.05",

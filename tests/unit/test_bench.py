@@ -89,6 +89,8 @@ def _record(step: int, end: float) -> dict:
         "time/train_end": end - 0.1,
         "sync/time_s": 0.1,
         "rollout/reward_mean": 0.5,
+        "rollout/num_samples": 16,
+        "time/batch_wait_s": 0.2,
     }
 
 
@@ -100,8 +102,10 @@ def test_loop_figures_skip_warmup_steps():
     assert figures["train_s"] == pytest.approx(0.3)
     with pytest.raises(ValueError, match="need at least 4"):
         step_figures(records[:3], skip=2)
-    report = format_report({"sync": {**figures, "step_s": 1.0}, "async": figures})
-    assert "async step throughput = 2.00x the sync loop's" in report
+    report = format_report({0: {**figures, "step_s": 1.0}, 2: figures})
+    assert "K=2: step throughput 2.00x K=0's" in report
+    assert figures["samples_per_s"] == pytest.approx(16 / 0.5)
+    assert figures["batch_wait_s"] == pytest.approx(0.2)
 
 
 def test_vime_command_lists_and_rejects_commands(capsys):

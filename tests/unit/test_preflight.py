@@ -58,7 +58,7 @@ def test_bad_field_exits_2_naming_it(tmp_path, capsys, override, says):
 
 def test_bad_yaml_and_unknown_keys_exit_2(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("run_dir: x\nnum_steps: 3: 4\nloop: sync\n")
+    bad.write_text("run_dir: x\nnum_steps: 3: 4\n")
     err = _exit_2(tmp_path, capsys, str(bad))
     assert "bad.yaml, line 2, column 13: not valid YAML" in err
     typo = tmp_path / "typo.yaml"

@@ -100,6 +100,12 @@ class FakeClient:
     def release(self, affinity):
         self.released.append(affinity)
 
+    def occupied_seconds(self):
+        return 0.0
+
+    def serving(self):
+        return [0]
+
     async def close(self):
         self.closed = True
 
@@ -194,6 +200,23 @@ def test_staleness_hand_computed():
     assert metrics["staleness/lag_mean"] == pytest.approx((3 + 1 + 4) / 3)  # empty sample skipped
     assert metrics["staleness/lag_max"] == 4
     assert metrics["staleness/token_lag_mean"] == pytest.approx((3 + 3 + 2 + 1 + 1 + 1 + 4) / 7)
+    # The histogram: one sample each 1, 3 and 4 versions behind.
+    lags = {k: v for k, v in metrics.items() if k.startswith("staleness/samples_lag_")}
+    assert lags == {f"staleness/samples_lag_{k}": 1.0 for k in (1, 3, 4)}
+
+
+def test_samples_beyond_the_staleness_bound_stay_in_their_group_but_not_in_the_loss():
+    from vime.rl.samples import RolloutBatch
+
+    samples = [sample_with_versions(v) for v in ([3, 3, 4, 5], [5, 5], [2], [6])]
+    for index, sample in enumerate(samples):
+        sample.reward = float(index)
+    batch = RolloutBatch(step=0, samples=samples, group_size=4, start_time=0.0, end_time=1.0)
+    assert batch.too_stale(trainer_version=6, max_lag=2) == [0, 2]  # 3 and 4 behind
+    packed = batch.pack(pad_token_id=0, trainer_version=6, max_lag=2)
+    assert packed.loss_mask.sum(dim=1).tolist() == [0.0, 2.0, 0.0, 1.0]
+    assert packed.rewards.tolist() == [0.0, 1.0, 2.0, 3.0]  # the group's baseline keeps them
+    assert batch.pack(pad_token_id=0).loss_mask.sum().item() == 4 + 2 + 1 + 1
 
 
 def test_generate_batch_groups_rewards_and_records():

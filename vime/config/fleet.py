@@ -35,8 +35,9 @@ class FleetChange(StrictModel):
 
 class ScaleUpPolicy(StrictModel):
     """Launch engines when the rollouts are behind: the trainer waited longer than `wait_s` for
-    its batch at each of the last `steps` steps (with the async loop a batch is generated while
-    the trainer trains on the one before, so any wait is generation the engines did not finish)."""
+    its batch at each of the last `steps` steps (with rollout.max_staleness >= 1 a batch is
+    generated while the trainer trains on the one before, so any wait is generation the engines
+    did not finish)."""
 
     wait_s: float = Field(ge=0, description="A step whose batch the trainer waited for longer.")
     steps: int = Field(2, ge=1, description="Consecutive such steps before a launch.")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field, model_validator
 
@@ -59,9 +59,6 @@ class TrainConfig(StrictModel):
             "per-token weight versions, reward, lag) to run_dir/rollouts.jsonl, for debugging "
             "and replay."
         ),
-    )
-    loop: Literal["async", "sync"] = Field(
-        "async", description="async: one-off pipelining; sync: generate -> train -> sync."
     )
     model: ModelBuildConfig = Field(default_factory=ModelBuildConfig)
     engine: EngineConfig = Field(description="The rollout engines.")

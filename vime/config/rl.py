@@ -40,6 +40,19 @@ class RolloutConfig(StrictModel):
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (1.0: the policy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling; 1.0 samples the policy.")
     top_k: int = Field(-1, description="Top-k sampling; -1 samples the policy.")
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description=(
+            "How far generation runs ahead of training, in steps, and so how many weight versions "
+            "a sample's oldest token may be behind the trainer that trains on it. 0: generate, "
+            "train, sync in turn (synchronous). 1: batch k+1 generates while batch k trains. K: "
+            "up to K batches generate ahead, their requests running through each sync (keep "
+            "pause, every token labelled with its version). A sample that is more versions "
+            "behind (none is, unless it waited out syncs) keeps its place in its group's "
+            "baseline but adds no token to the loss (rollout/dropped_stale)."
+        ),
+    )
     routing: Literal["group", "sample"] = Field(
         "group",
         description=(

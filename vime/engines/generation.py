@@ -74,6 +74,9 @@ class GenerationClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
         self._affinity: dict[str, str] = {}  # key -> its engine's url
+        # Seconds each engine had at least one request in flight (see `occupied_seconds`).
+        self._occupied_s: dict[str, float] = {url: 0.0 for url in self.urls}
+        self._occupied_since: dict[str, float] = {}
 
     async def __aenter__(self) -> GenerationClient:
         return self
@@ -158,6 +161,8 @@ class GenerationClient:
         task = asyncio.ensure_future(self._stream(url, payload, result, on_tokens))
         self._tasks[url].add(task)
         self._in_flight[url] += 1
+        if self._in_flight[url] == 1:
+            self._occupied_since[url] = time.monotonic()
         try:
             await task
             return True
@@ -174,6 +179,9 @@ class GenerationClient:
         finally:
             self._in_flight[url] -= 1
             self._tasks[url].discard(task)
+            if self._in_flight[url] == 0:
+                since = self._occupied_since.pop(url)
+                self._occupied_s[url] = self._occupied_s.get(url, 0.0) + time.monotonic() - since
 
     # ---- fault tolerance: engines marked down and up by the job's watchdog ---------------------
 
@@ -209,6 +217,14 @@ class GenerationClient:
         """Engine `index` leaves: no new request goes to it; those in flight finish there (any
         thread). Its index stays (engine indices are never reused)."""
         self._call_in_loop(lambda: self._set_draining(self.urls[index]))
+
+    def occupied_seconds(self) -> float:
+        """Seconds summed over the engines during which each had at least one request in flight
+        (generating, or held by a keep pause), up to now."""
+        # list(): one C call, so a snapshot even while the client's loop (another thread) runs.
+        since, done = list(self._occupied_since.values()), list(self._occupied_s.values())
+        now = time.monotonic()
+        return sum(done) + sum(now - t for t in since)
 
     def num_in_flight(self, index: int) -> int:
         return self._in_flight[self.urls[index]]

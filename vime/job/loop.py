@@ -1,9 +1,10 @@
 """The RL loop, as the algorithm reads.
 
-Async (`loop: async`, one-off pipelining): batch k+1 is submitted to the engines before batch k
-trains, so the engines generate while the trainer trains; the sync after step k pauses them with
-`keep`, and the requests of batch k+1 in flight continue on the new weights (each token records
-the version that produced it). `loop: sync` generates, trains and syncs one after the other.
+Bounded staleness (`rollout.max_staleness: K`): once batch k is taken, batches k+1 .. k+K are
+generating, so the engines generate while the trainer trains; each sync pauses them with `keep`,
+and the requests in flight continue on the new weights (each token records the version that
+produced it). A sample's oldest token is then at most K versions behind the trainer that trains
+on it; one further behind adds nothing to the loss. K = 0 generates, trains and syncs in turn.
 Every rank runs these lines; only rank 0 has rollouts (the others get each batch by broadcast).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,21 +70,37 @@ def run_loop(job: Job) -> dict[str, Any]:
         summary["sft"] = supervised_stage(config, job.trainer, job.tokenizer, job.run_dir, job.rank)
         job.safe_points.sync_after_warm_start()
         job.evaluate("after_sft", job.start_step, sync.weight_version)
-    pipelined = config.loop == "async"
-    pending = job.submit(job.start_step) if pipelined else None
+    max_staleness = config.rollout.max_staleness
+    ahead: deque[concurrent.futures.Future | None] = deque()  # batches of steps not yet taken
+    submitted = job.start_step  # the next step to submit
+
+    def submit_until(last_step: int) -> None:
+        nonlocal submitted
+        while submitted <= min(last_step, config.num_steps - 1):
+            ahead.append(job.submit(submitted))
+            submitted += 1
+
     for step in range(job.start_step, config.num_steps):
-        if pending is None:
-            pending = job.submit(step)
-        batch = job.safe_points.take_batch(pending)  # rank 0's; failed engines recover first
-        last = step + 1 == config.num_steps
-        pending = job.submit(step + 1) if pipelined and not last else None  # one-off pipelining
+        submit_until(step)
+        waited = time.monotonic()
+        batch = job.safe_points.take_batch(ahead.popleft())  # rank 0's; failed engines recover
+        waited = time.monotonic() - waited
+        submit_until(step + max_staleness)  # these generate while this batch trains
         if batch is not None and config.save_rollouts:  # rank 0
             batch.write_jsonl(job.run_dir / "rollouts.jsonl", sync.weight_version)
-        packed = broadcast_object(batch.pack(job.pad_id) if batch is not None else None, sync.group)
+        packed, dropped = None, 0
+        if batch is not None:  # rank 0
+            packed = batch.pack(job.pad_id, sync.weight_version, max_lag=max_staleness)
+            dropped = len(batch.too_stale(sync.weight_version, max_staleness))
+        packed = broadcast_object(packed, sync.group)
         train_start = time.time()
         train = job.trainer.train_step(packed, weight_version=sync.weight_version)
         train_end = time.time()
         report, extra = job.safe_points.sync(step)
+        extra["time/batch_wait_s"] = waited
+        extra["rollout/dropped_stale"] = float(dropped)
+        if job.rollouts is not None:
+            extra.update(job.rollouts.occupancy())
         job.report.step(
             step,
             batch=batch,

@@ -248,6 +248,7 @@ class RolloutThread:
         self.manager = manager
         self.client = manager.client
         self._pending: set[concurrent.futures.Future] = set()
+        self._occupancy_mark = (time.monotonic(), self.client.occupied_seconds())
 
     def submit(
         self, step: int, weight_version: int | None = None
@@ -258,6 +259,16 @@ class RolloutThread:
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
         return future
+
+    def occupancy(self) -> dict[str, float]:
+        """Since the last call: the share of the time the engines had requests in flight (summed
+        over engines, divided by their number), `rollout/engine_occupied_fraction`."""
+        now, occupied = time.monotonic(), self.client.occupied_seconds()
+        began, before = self._occupancy_mark
+        self._occupancy_mark = (now, occupied)
+        engines = max(len(self.client.serving()), 1)
+        fraction = (occupied - before) / max(now - began, 1e-9) / engines
+        return {"rollout/engine_occupied_fraction": min(fraction, 1.0)}
 
     def evaluate(
         self, config: RolloutConfig, weight_version: int | None = None

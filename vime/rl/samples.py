@@ -107,6 +107,8 @@ def staleness_metrics(samples: Sequence[RolloutSample], trainer_version: int) ->
         "staleness/lag_mean": statistics.fmean(lags) if lags else 0.0,
         "staleness/lag_max": float(max(lags, default=0)),
         "staleness/token_lag_mean": statistics.fmean(token_lags) if token_lags else 0.0,
+        # The histogram: how many samples are k versions behind, for each k seen.
+        **{f"staleness/samples_lag_{lag}": float(lags.count(lag)) for lag in sorted(set(lags))},
     }
 
 
@@ -149,7 +151,19 @@ class RolloutBatch:
                     row["lag"] = sample.lag(trainer_version)
                 out.write(json.dumps(row) + "\n")
 
-    def pack(self, pad_token_id: int) -> PackedBatch:
+    def too_stale(self, trainer_version: int, max_lag: int) -> list[int]:
+        """Indices of the samples whose oldest token is more than `max_lag` versions behind."""
+        return [i for i, s in enumerate(self.samples) if s.lag(trainer_version) > max_lag]
+
+    def pack(
+        self, pad_token_id: int, trainer_version: int | None = None, max_lag: int | None = None
+    ) -> PackedBatch:
+        """The batch as tensors. With `trainer_version` and `max_lag`, a sample more than
+        `max_lag` versions behind (`too_stale`) keeps its reward (its group's baseline) but no
+        token of it is in the loss mask."""
+        stale = set()
+        if trainer_version is not None and max_lag is not None:
+            stale = set(self.too_stale(trainer_version, max_lag))
         rows = [s.prompt_token_ids + s.response_token_ids for s in self.samples]
         seq_len = max(len(row) for row in rows)
         batch = len(rows)
@@ -161,7 +175,7 @@ class RolloutBatch:
             input_ids[i, : len(row)] = torch.tensor(row)
             start = len(sample.prompt_token_ids) - 1
             end = start + len(sample.response_token_ids)
-            loss_mask[i, start:end] = 1.0
+            loss_mask[i, start:end] = 0.0 if i in stale else 1.0
             rollout_logprobs[i, start:end] = torch.tensor(sample.rollout_logprobs)
             versions = torch.tensor(sample.weight_versions, dtype=torch.long)
             # A sample whose prompt KV may be another version's is no one version's: -2 matches
