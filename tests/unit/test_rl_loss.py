@@ -185,8 +185,12 @@ def test_importance_weight_quantiles_cover_every_micro_batch():
     # Beyond the range: the range's edge.
     far = StepStats()
     far.add_histogram("w", torch.tensor([[9.0, -9.0]]), torch.ones(1, 2))
-    assert far.metrics()["w_p99"] == pytest.approx(math.exp(4.0))
-    assert far.metrics()["w_p01"] == pytest.approx(math.exp(-4.0))
+    assert far.metrics()["w_p99"] == pytest.approx(math.exp(4.025))
+    assert far.metrics()["w_p01"] == pytest.approx(math.exp(-4.025))
+    # A weight of 1 (no staleness, no mismatch) reads as 1: a bin is centred on it.
+    ones = StepStats()
+    ones.add_histogram("w", torch.full((2, 3), 1e-7), torch.ones(2, 3))
+    assert ones.metrics()["w_p50"] == pytest.approx(1.0)
     empty = StepStats()  # a rank whose micro-batches hold no token: no quantiles, no error
     empty.add_histogram("w", torch.zeros(1, 2), torch.zeros(1, 2))
     assert "w_p50" not in empty.metrics()

@@ -54,6 +54,9 @@ def step_figures(records: list[dict[str, Any]], skip: int) -> dict[str, float]:
         "lag_mean": mean_of("staleness/lag_mean"),
         "dropped_stale": sum(r.get("rollout/dropped_stale", 0.0) for r in steady),
         "reward_mean": mean_of("rollout/reward_mean"),
+        "prompt_cache_hit_rate": mean_of("rollout/prompt_cache_hit_rate"),
+        "logprob_diff_same_version": mean_of("train/logprob_diff_same_version"),
+        "mismatch_kl": mean_of("train/mismatch_kl"),
         "reward_last": steady[-1].get("rollout/reward_mean", float("nan")),
         "steps_timed": len(records) - max(skip, 1),
     }
@@ -62,6 +65,13 @@ def step_figures(records: list[dict[str, Any]], skip: int) -> dict[str, float]:
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return sorted((json.loads(line) for line in lines if line.strip()), key=lambda r: r["step"])
+
+
+def held_out_pass_at_1(run_dir: Path) -> float:
+    """The job's held-out greedy pass@1 after training (NaN when the config has no eval)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    after = (summary.get("eval") or {}).get("after") or {}
+    return float(after.get("eval/pass_at_1", float("nan")))
 
 
 def run_job(config: str, staleness: int, run_dir: Path, steps: int, overrides: list[str]) -> float:
@@ -91,7 +101,7 @@ def format_report(figures: dict[int, dict[str, float]]) -> str:
     """One row per staleness bound K; the speed-up of each K over K = 0 when it ran."""
     header = (
         f"{'K':>3} {'step s':>7} {'samples/s':>9} {'gen s':>6} {'train s':>7} {'sync s':>6} "
-        f"{'wait s':>6} {'engines':>7} {'lag':>5} {'dropped':>7} {'reward':>6}"
+        f"{'wait s':>6} {'engines':>7} {'lag':>5} {'dropped':>7} {'reward':>6} {'pass@1':>6}"
     )
     lines = [header, "-" * len(header)]
     for k, f in sorted(figures.items()):
@@ -99,7 +109,7 @@ def format_report(figures: dict[int, dict[str, float]]) -> str:
             f"{k:>3} {f['step_s']:7.3f} {f['samples_per_s']:9.1f} {f['generate_s']:6.3f} "
             f"{f['train_s']:7.3f} {f['sync_s']:6.3f} {f['batch_wait_s']:6.3f} "
             f"{f['engine_occupied']:7.2f} {f['lag_mean']:5.2f} {f['dropped_stale']:7.0f} "
-            f"{f['reward_mean']:6.3f}"
+            f"{f['reward_mean']:6.3f} {f.get('pass_at_1_after', float('nan')):6.3f}"
         )
     if 0 in figures:
         for k in sorted(set(figures) - {0}):
@@ -140,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"bench-loop: max_staleness {k} ({args.steps} steps) ...", flush=True)
         wall[k] = run_job(args.config, k, run_dir, args.steps, args.overrides)
         figures[k] = step_figures(read_metrics(run_dir), args.skip)
+        figures[k]["pass_at_1_after"] = held_out_pass_at_1(run_dir)
     document = {
         "command": "vime bench-loop " + " ".join(argv if argv is not None else sys.argv[1:]),
         "config": args.config,

@@ -11,10 +11,11 @@ import torch.distributed as dist
 
 from vime.trainer.batches import MicroBatch
 
-# Histograms (importance weights): token counts in bins of 0.05 in log w over [-4, 4] (w from
-# 0.018 to 55, each bin ~5% wide), summed over micro-batches and data-parallel ranks, so a step's
-# quantiles are those of all its tokens to a bin's width (beyond the range: the range's edge).
-LOG_EDGES = torch.linspace(-4.0, 4.0, 161, dtype=torch.float64)
+# Histograms (importance weights): token counts in bins 0.05 wide in log w, centred on
+# -4.0, -3.95, .., 0 (w = 1), .., 4.0 (w from 0.018 to 55, each bin ~5% wide), summed over
+# micro-batches and data-parallel ranks, so a step's quantiles are those of all its tokens to a
+# bin's width (beyond the range: the range's edge).
+LOG_EDGES = torch.linspace(-4.025, 4.025, 162, dtype=torch.float64)
 QUANTILES = {"p01": 0.01, "p10": 0.1, "p50": 0.5, "p90": 0.9, "p99": 0.99}
 
 
