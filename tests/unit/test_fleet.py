@@ -5,7 +5,9 @@ running job reads, and the config's checks."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 
 import pydantic
 import pytest
@@ -45,16 +47,27 @@ async def _engine(
     return runner, f"http://127.0.0.1:{port}"
 
 
+@contextlib.asynccontextmanager
+async def _two_engines() -> AsyncIterator[tuple[str, str, asyncio.Event, list[str]]]:
+    """Two stand-in engines on loopback: their URLs, the event that lets them answer, and the
+    names of the engines that served, in order."""
+    served: list[str] = []
+    release = asyncio.Event()
+    (r0, url0), (r1, url1) = (
+        await _engine("e0", served, release),
+        await _engine("e1", served, release),
+    )
+    try:
+        yield url0, url1, release, served
+    finally:
+        await r0.cleanup()
+        await r1.cleanup()
+
+
 def test_joiners_serve_only_once_marked_up_and_drained_engines_finish_what_they_hold():
     async def run() -> None:
-        served: list[str] = []
-        release = asyncio.Event()
-        (r0, url0), (r1, url1) = (
-            await _engine("e0", served, release),
-            await _engine("e1", served, release),
-        )
         sampling = SamplingConfig(max_tokens=1)
-        try:
+        async with _two_engines() as (url0, url1, release, served):
             async with GenerationClient([url0]) as client:
                 index = client.add_engine(url1)
                 assert index == 1
@@ -76,9 +89,6 @@ def test_joiners_serve_only_once_marked_up_and_drained_engines_finish_what_they_
                 assert client.num_in_flight(0) == 0
                 with pytest.raises(ValueError, match="already engine 1"):
                     client.add_engine(url1 + "/")
-        finally:
-            await r0.cleanup()
-            await r1.cleanup()
 
     asyncio.run(run())
 
@@ -100,13 +110,7 @@ def test_a_group_shares_one_engine_least_loaded_between_groups_and_moves_when_it
         return [result.engine_url for result in await asyncio.gather(*futures)]
 
     async def run() -> None:
-        served: list[str] = []
-        release = asyncio.Event()
-        (r0, url0), (r1, url1) = (
-            await _engine("e0", served, release),
-            await _engine("e1", served, release),
-        )
-        try:
+        async with _two_engines() as (url0, url1, release, served):
             async with GenerationClient([url0, url1]) as client:
                 groups = [submit(client, 4, f"g{index}") for index in range(3)]
                 await asyncio.sleep(0)  # every task has picked its engine
@@ -144,9 +148,6 @@ def test_a_group_shares_one_engine_least_loaded_between_groups_and_moves_when_it
                 assert await urls_of(held + after_down) == [url1] * 3
                 assert await urls_of(fresh) == [url0]
                 assert client.num_resubmitted == 2
-        finally:
-            await r0.cleanup()
-            await r1.cleanup()
 
     asyncio.run(run())
 

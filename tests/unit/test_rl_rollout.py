@@ -213,7 +213,7 @@ def test_samples_beyond_the_staleness_bound_stay_in_their_group_but_not_in_the_l
         sample.reward = float(index)
     batch = RolloutBatch(step=0, samples=samples, group_size=4, start_time=0.0, end_time=1.0)
     assert batch.too_stale(trainer_version=6, max_lag=2) == [0, 2]  # 3 and 4 behind
-    packed = batch.pack(pad_token_id=0, trainer_version=6, max_lag=2)
+    packed = batch.pack(pad_token_id=0, leave_out=batch.too_stale(trainer_version=6, max_lag=2))
     assert packed.loss_mask.sum(dim=1).tolist() == [0.0, 2.0, 0.0, 1.0]
     assert packed.rewards.tolist() == [0.0, 1.0, 2.0, 3.0]  # the group's baseline keeps them
     assert batch.pack(pad_token_id=0).loss_mask.sum().item() == 4 + 2 + 1 + 1

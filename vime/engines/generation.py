@@ -181,7 +181,7 @@ class GenerationClient:
             self._tasks[url].discard(task)
             if self._in_flight[url] == 0:
                 since = self._occupied_since.pop(url)
-                self._occupied_s[url] = self._occupied_s.get(url, 0.0) + time.monotonic() - since
+                self._occupied_s[url] += time.monotonic() - since
 
     # ---- fault tolerance: engines marked down and up by the job's watchdog ---------------------
 
@@ -209,6 +209,7 @@ class GenerationClient:
 
     def _add_engine(self, url: str) -> None:
         self._in_flight[url] = 0
+        self._occupied_s[url] = 0.0
         self._tasks[url] = set()
         self._down.add(url)
         self.urls.append(url)

@@ -82,23 +82,20 @@ def run_loop(job: Job) -> dict[str, Any]:
 
     for step in range(job.start_step, config.num_steps):
         submit_until(step)
-        waited = time.monotonic()
         batch = job.safe_points.take_batch(ahead.popleft())  # rank 0's; failed engines recover
-        waited = time.monotonic() - waited
         submit_until(step + max_staleness)  # these generate while this batch trains
         if batch is not None and config.save_rollouts:  # rank 0
             batch.write_jsonl(job.run_dir / "rollouts.jsonl", sync.weight_version)
-        packed, dropped = None, 0
+        packed, stale = None, []
         if batch is not None:  # rank 0
-            packed = batch.pack(job.pad_id, sync.weight_version, max_lag=max_staleness)
-            dropped = len(batch.too_stale(sync.weight_version, max_staleness))
+            stale = batch.too_stale(sync.weight_version, max_staleness)
+            packed = batch.pack(job.pad_id, leave_out=stale)
         packed = broadcast_object(packed, sync.group)
         train_start = time.time()
         train = job.trainer.train_step(packed, weight_version=sync.weight_version)
         train_end = time.time()
         report, extra = job.safe_points.sync(step)
-        extra["time/batch_wait_s"] = waited
-        extra["rollout/dropped_stale"] = float(dropped)
+        extra["rollout/dropped_stale"] = float(len(stale))
         if job.rollouts is not None:
             extra.update(job.rollouts.occupancy())
         job.report.step(

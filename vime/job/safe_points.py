@@ -31,13 +31,15 @@ class SafePoints:
         self.fleet = fleet
         self.rank = rank
         self.recovery = recovery  # rank 0 with fault tolerance
+        self._batch_wait_s = 0.0
 
     def take_batch(self, pending: concurrent.futures.Future | None) -> RolloutBatch | None:
         """Rank 0: the batch once generated (None on other ranks)."""
         waited = time.monotonic()
         batch = self.faults.until_batch(pending)
+        self._batch_wait_s = time.monotonic() - waited
         if self.rank == 0:
-            self.fleet.note_batch_wait(time.monotonic() - waited)
+            self.fleet.note_batch_wait(self._batch_wait_s)
         return batch
 
     def sync(self, step: int) -> tuple[SyncReport, dict[str, float]]:
@@ -47,6 +49,7 @@ class SafePoints:
         report = self.faults.update_weights()
         self.fleet.after_sync(report)  # joiners hold this sync's weights: they serve now
         metrics = self.recovery.metrics() if self.recovery is not None else {}
+        metrics["time/batch_wait_s"] = self._batch_wait_s  # the trainer waiting for its batch
         if self.rank == 0:
             metrics.update(self.fleet.metrics())
         return report, metrics

@@ -155,15 +155,10 @@ class RolloutBatch:
         """Indices of the samples whose oldest token is more than `max_lag` versions behind."""
         return [i for i, s in enumerate(self.samples) if s.lag(trainer_version) > max_lag]
 
-    def pack(
-        self, pad_token_id: int, trainer_version: int | None = None, max_lag: int | None = None
-    ) -> PackedBatch:
-        """The batch as tensors. With `trainer_version` and `max_lag`, a sample more than
-        `max_lag` versions behind (`too_stale`) keeps its reward (its group's baseline) but no
-        token of it is in the loss mask."""
-        stale = set()
-        if trainer_version is not None and max_lag is not None:
-            stale = set(self.too_stale(trainer_version, max_lag))
+    def pack(self, pad_token_id: int, leave_out: Sequence[int] = ()) -> PackedBatch:
+        """The batch as tensors. The samples at `leave_out` (e.g. `too_stale`) keep their reward
+        (their group's baseline) but no token of theirs is in the loss mask."""
+        stale = set(leave_out)
         rows = [s.prompt_token_ids + s.response_token_ids for s in self.samples]
         seq_len = max(len(row) for row in rows)
         batch = len(rows)
