@@ -155,6 +155,28 @@ class InflightRequest:
         return self.result
 
 
+def _start_frozen_request(gate, attempts: int = 3) -> InflightRequest:
+    """A greedy request frozen mid-generation by a keep pause the test holds (`gate`, the step's
+    engine): the sync's own keep pause finds the engine paused (idempotent) and its resume
+    releases the request on the new weights, however slow the sync is on a loaded machine.
+
+    The request must be frozen holding its KV blocks, not finished: the engine's refusal to
+    reset its prefix cache proves it. A client lagging its stream (a loaded machine) can see
+    the first tokens after the engine made all of them; then the request is let finish and
+    another one gated, so the outcome never depends on timing.
+    """
+    gate.init()
+    for _ in range(attempts):
+        inflight = InflightRequest(gate.url)
+        inflight.wait_started()
+        gate.pause_generation(mode="keep", clear_cache=False)
+        if not gate.flush_cache(timeout_s=0.0, raise_on_timeout=False):
+            return inflight  # it holds KV blocks: frozen mid-generation
+        gate.continue_generation()  # it ended before the pause: let it go, gate another
+        inflight.join()
+    raise AssertionError(f"every one of {attempts} requests ended before the keep pause landed")
+
+
 def _worker(rank: int, world_size: int, port: int, job: SyncJob, out_dir: str) -> None:
     try:
         _run(rank, world_size, port, job, Path(out_dir))
@@ -260,18 +282,9 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
         last_sender = updater.is_sender and topology.pp_rank == topology.pp_size - 1
         if (step.fail_in_send or step.kill_in_send) and last_sender:
             _break_after_first_bucket(updater, kill=step.kill_in_send)
-        # A step with a request in flight needs the pause to land while the request runs. The
-        # test holds the gate: once the request has streamed its first tokens, rank 0 pauses its
-        # engine (keep) before the sync starts, so the request cannot finish on the old weights
-        # however slow the gather is on a loaded machine; the sync's own keep pause finds the
-        # engine paused (idempotent) and its resume releases the request on the new weights.
         inflight = None
         if rank == 0 and step.inflight:
-            inflight = InflightRequest(step.engine_urls[0])
-            inflight.wait_started()
-            gate = VLLMEngine(engine_config, url=step.engine_urls[0])
-            gate.init()
-            gate.pause_generation(mode="keep", clear_cache=False)
+            inflight = _start_frozen_request(VLLMEngine(engine_config, url=step.engine_urls[0]))
         try:
             record["report"] = updater.update_weights(version=step.version)
         except Exception as exc:
