@@ -1,11 +1,13 @@
 """A job SIGKILLed after a checkpoint resumes from it: the main job's config, real torchrun,
 trainer rank, Ray and vLLM CPU engine.
 
-The first run saves a checkpoint every 2 steps and is killed (torchrun SIGKILL) once the one after
-step 2 is complete. The second run, `checkpoint.resume=true` in the same run_dir, loads it before
-any engine starts, syncs the fresh engine to the resumed weights (as the checkpoint's weight
-version) before its first rollout, and continues at step 2: its metrics carry on from there (one
-row per step), and every token of its first batch comes from the resumed weights.
+Both runs sync after every third step (`weight_sync.interval: 3`) and save a checkpoint every 2,
+so the checkpoint after step 2 holds weights no engine has served: a version of their own. The
+first run is killed (torchrun SIGKILL) once that checkpoint is complete. The second run,
+`checkpoint.resume=true` in the same run_dir, loads it before any engine starts, syncs the fresh
+engine to the resumed weights (as the checkpoint's weight version) before its first rollout, and
+continues at step 2: its metrics carry on from there (one row per step), and every token of its
+first batch comes from the resumed weights.
 """
 
 from __future__ import annotations
@@ -45,7 +47,12 @@ def _rows(path) -> list[dict]:
 
 def test_killed_job_resumes_from_its_checkpoint(tmp_path, tiny_model_dir):
     checkpoints = tmp_path / "run" / "checkpoints"
-    common = ["checkpoint.every_steps=2", "save_rollouts=true", "weight_sync.verify_checksums=true"]
+    common = [
+        "checkpoint.every_steps=2",
+        "weight_sync.interval=3",
+        "save_rollouts=true",
+        "weight_sync.verify_checksums=true",
+    ]
     job = BackgroundJob(tmp_path, tiny_model_dir, *common)
     try:
         job.wait_running()
@@ -79,13 +86,18 @@ def test_killed_job_resumes_from_its_checkpoint(tmp_path, tiny_model_dir):
     # One row per step: rows the killed run wrote after its checkpoint were dropped on resume.
     rows = _rows(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    # The checkpoint after step 2 holds weight version 2; the resumed syncs make 3 and 4.
-    assert [r["sync/weight_version"] for r in rows] == [1, 2, 3, 4]
-    assert all(r["sync/verified"] == 1.0 for r in rows)
+    # No sync after steps 0 and 1 (version 0 served); the checkpoint after step 2 holds weight
+    # version 1, unsynced in the first run; the resumed run syncs after its steps 2 (the
+    # third) and 3 (the last): versions 2 and 3.
+    assert [r["sync/weight_version"] for r in rows] == [0, 0, 2, 3]
+    assert ["sync/verified" in r for r in rows] == [False, False, True, True]
+    assert all(r["sync/verified"] == 1.0 for r in rows[2:])
     samples = _rows(tmp_path / "run" / "rollouts.jsonl")
     assert [s["step"] for s in samples] == [0] * 16 + [1] * 16 + [2] * 16 + [3] * 16
-    # The engine served the resumed weights (version 2) before the first rollout.
-    assert {v for s in samples if s["step"] == 2 for v in s["weight_versions"]} == {2}
+    # Steps 0 and 1 trained on the first weights (version 0) only.
+    assert {v for s in samples if s["step"] < 2 for v in s["weight_versions"]} == {0}
+    # The engine served the resumed weights (version 1) before the first rollout.
+    assert {v for s in samples if s["step"] == 2 for v in s["weight_versions"]} == {1}
     # The newest two complete checkpoints are kept: step_2 and the one at the end, step_4.
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_2", "step_4"]
 
@@ -96,7 +108,7 @@ def test_killed_job_resumes_from_its_checkpoint(tmp_path, tiny_model_dir):
     export = [sys.executable, "-m", "vime.cli", "export", str(tmp_path / "run"), str(out)]
     done = subprocess.run(export, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "step_4" in done.stdout and "weight version 4" in done.stdout
+    assert "step_4" in done.stdout and "weight version 3" in done.stdout
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 

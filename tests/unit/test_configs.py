@@ -98,3 +98,12 @@ def test_gpu_matrix_cases_are_valid_jobs_whose_placement_is_accepted(device, tmp
         else:
             holders = plan_holders(ranks, workers)
             assert set(holders) == set(range(pp)), case.name
+
+
+def test_sync_interval_syncs_every_nth_step_and_after_the_last():
+    config = load_config(TrainConfig, CONFIGS[0], ["weight_sync.interval=3"])
+    assert [s for s in range(7) if config.weight_sync.due(s, 7)] == [2, 5, 6]
+    every = load_config(TrainConfig, CONFIGS[0])
+    assert [s for s in range(4) if every.weight_sync.due(s, 4)] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="weight_sync.interval"):
+        load_config(TrainConfig, CONFIGS[0], ["weight_sync.interval=0"])

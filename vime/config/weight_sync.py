@@ -154,6 +154,16 @@ class WeightSyncConfig(StrictModel):
         gt=0,
         description="Cap of one bucket in bytes (a tensor larger than this gets a bucket alone).",
     )
+    interval: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Sync after every N-th optimizer step (and after the last): the engines serve one "
+            "version for N steps. A weight version counts syncs, so rollout.max_staleness bounds "
+            "a sample's lag in syncs; the trainer is up to N - 1 steps further ahead (the "
+            "off-policy corrections see it). 1: sync after every step."
+        ),
+    )
     clear_cache_on_pause: bool = Field(
         False,
         description=(
@@ -195,3 +205,7 @@ class WeightSyncConfig(StrictModel):
         if isinstance(data, dict) and isinstance(data.get("transport"), str):
             data = {**data, "transport": {"kind": data["transport"]}}
         return data
+
+    def due(self, step: int, num_steps: int) -> bool:
+        """Whether the weights are synced after step `step` (0-based) of `num_steps`."""
+        return (step + 1) % self.interval == 0 or step + 1 == num_steps

@@ -10,7 +10,8 @@ serves again; its lost requests are resubmitted.
   timeout).
 - `FaultTolerance` (every rank): the training loop's safe points. Waiting for a batch, or after a
   sync that failed, rank 0 says which engines are down and every rank then waits for their
-  restarts, reconnects the weight sync and pushes the current weights (`resync`, no new version);
+  restarts, reconnects the weight sync and pushes the current weights (`resync`: no new version
+  unless the trainer stepped since the last sync, weight_sync.interval > 1);
   then the engines are marked up and watched again. Without fault tolerance the safe points only
   wait for the batch and sync.
 """
@@ -120,6 +121,8 @@ class FaultTolerance:
         self.group = group
         self.failure_wait_s = failure_wait_s
         self.enabled = broadcast_object(recovery is not None, group)
+        # Whether the trainer stepped since the last sync (set by the loop's safe points).
+        self.weights_ahead = False
 
     def until_batch(self, pending: concurrent.futures.Future | None) -> Any:
         """Rank 0: the batch, once generated (None on other ranks); engines that fail meanwhile
@@ -160,11 +163,13 @@ class FaultTolerance:
                 continue
             if recovered and self.recovery is not None:
                 self.recovery.restored(recovered)  # the retried sync reached them
+            self.weights_ahead = False
             return report
 
     def _recover(self, down: list[int], *, resync: bool) -> list[int]:
         """Every rank: wait for the restarts (rank 0), reconnect the sync to every engine and,
-        if `resync`, push the trainer's current weights (same version) into every engine.
+        if `resync`, push the trainer's current weights into every engine (the same version;
+        a new one if the trainer stepped since the last sync).
         Engines found down while waiting (several failing in one step) are waited for too:
         the reconnect needs every engine up. Returns the engines recovered."""
         logger.warning("recovering engines %s", down)
@@ -180,7 +185,12 @@ class FaultTolerance:
         dist.barrier(group=self.group)
         self.sync.reconnect()
         if resync:
-            self.sync.resync()
+            if self.weights_ahead:
+                # The trainer stepped since the last sync (weight_sync.interval > 1): its
+                # weights are not the engines' version, so every engine gets them as a new one.
+                self.update_weights()
+            else:
+                self.sync.resync()
             if self.recovery is not None:
                 self.recovery.restored(down)
         logger.warning("engines %s reconnected%s", down, " and synced" if resync else "")

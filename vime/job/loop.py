@@ -5,6 +5,7 @@ generating, so the engines generate while the trainer trains; each sync pauses t
 and the requests in flight continue on the new weights (each token records the version that
 produced it). A sample's oldest token is then at most K versions behind the trainer that trains
 on it; one further behind adds nothing to the loss. K = 0 generates, trains and syncs in turn.
+With `weight_sync.interval: N` the sync comes after every N-th step only: a version counts syncs.
 Every rank runs these lines; only rank 0 has rollouts (the others get each batch by broadcast).
 """
 
@@ -91,10 +92,16 @@ def run_loop(job: Job) -> dict[str, Any]:
             stale = batch.too_stale(sync.weight_version, max_staleness)
             packed = batch.pack(job.pad_id, leave_out=stale)
         packed = broadcast_object(packed, sync.group)
+        trainer_version = sync.weight_version  # what the engines serve: the trainer's version
+        # The same-version log-prob gap needs the trainer's weights to be that version's.
+        same_weights = job.safe_points.engines_hold_trainer_weights
         train_start = time.time()
-        train = job.trainer.train_step(packed, weight_version=sync.weight_version)
+        train = job.trainer.train_step(
+            packed, weight_version=trainer_version if same_weights else None
+        )
         train_end = time.time()
-        report, extra = job.safe_points.sync(step)
+        due = config.weight_sync.due(step, config.num_steps)
+        report, extra = job.safe_points.after_train(step, due)
         extra["rollout/dropped_stale"] = float(len(stale))
         if job.rollouts is not None:
             extra.update(job.rollouts.occupancy())
@@ -102,12 +109,16 @@ def run_loop(job: Job) -> dict[str, Any]:
             step,
             batch=batch,
             train=train,
+            trainer_version=trainer_version,
             sync=report,
             train_span=(train_start, train_end),
             extra=extra,
         )
         if config.checkpoint.due(step + 1, config.num_steps):
-            state = TrainingState(next_step=step + 1, weight_version=sync.weight_version)
+            # Weights not synced yet are a version of their own: the resumed job's engines
+            # get them as the next one.
+            version = sync.weight_version + (0 if report is not None else 1)
+            state = TrainingState(next_step=step + 1, weight_version=version)
             root = config.checkpoint.root(job.run_dir)
             save_checkpoint(job.trainer, root, state, keep=config.checkpoint.keep)
     try:

@@ -44,12 +44,13 @@ class Reporter:
         *,
         batch: Any,
         train: dict[str, float],
-        sync: SyncReport,
+        trainer_version: int,
+        sync: SyncReport | None,
         train_span: tuple[float, float],
         extra: dict[str, float] | None = None,
     ) -> None:
-        """Log step `step` (trained on `batch`, synced by the report `sync`)."""
-        weight_version = sync.weight_version
+        """Log step `step`: trained on `batch` by a trainer whose weights the engines served as
+        `trainer_version`, then synced by the report `sync` (None: no sync after this step)."""
         now = time.time()
         self._step_seconds.append(now - self._step_start)
         self._step_start = now
@@ -57,34 +58,30 @@ class Reporter:
             return
         start = self.job_start
         metrics = {
-            **batch.metrics(trainer_version=weight_version - 1),
+            **batch.metrics(trainer_version=trainer_version),
             **prefixed(train, "train/"),
             "rollout/num_samples": len(batch.samples),
-            "sync/time_s": sync.total_s,
-            "sync/weight_version": weight_version,
-            "sync/verified": float(sync.verified),
-            "sync/bytes": sync.num_bytes,
-            "sync/prefix_cache_flushed": float(bool(sync.prefix_cache_flushed)),
             "time/gen_start": batch.start_time - start,
             "time/gen_end": batch.end_time - start,
             "time/train_start": train_span[0] - start,
             "time/train_end": train_span[1] - start,
             "time/step_end": now - start,
             "time/step_s": self._step_seconds[-1],
-            **prefixed(sync.seconds, "sync/phase_"),
-            **_delta_metrics(sync),
+            # The version the engines serve once this step is done.
+            "sync/weight_version": sync.weight_version if sync is not None else trainer_version,
+            **(_sync_metrics(sync) if sync is not None else {}),
             **(extra or {}),
         }
         self.writer.log(step, metrics)
         logger.info(
-            "step %d/%d: reward %.3f, logprob diff %.4f, sync %.2f s, version %d, step %.1f s, "
-            "ETA %.0f s",
+            "step %d/%d: reward %.3f, logprob diff %.4f, %s, step %.1f s, ETA %.0f s",
             step + 1,
             self.num_steps,
             metrics.get("rollout/reward_mean", float("nan")),
             train.get("logprob_diff", float("nan")),
-            sync.total_s,
-            weight_version,
+            f"sync {sync.total_s:.2f} s to version {sync.weight_version}"
+            if sync is not None
+            else f"no sync (version {trainer_version})",
             self._step_seconds[-1],
             self.eta_s(step),
         )
@@ -93,6 +90,20 @@ class Reporter:
         """Seconds until the last step ends, at the mean pace of the steps so far."""
         recent = self._step_seconds[-10:]
         return (self.num_steps - step - 1) * sum(recent) / max(len(recent), 1)
+
+
+def _sync_metrics(sync: SyncReport) -> dict[str, float]:
+    """A step's sync: its time, bytes, checksum verdict, cache flush, phases and delta."""
+    return {
+        "sync/time_s": sync.total_s,
+        # How long the engines stood still for it (pause request to resume answered).
+        "sync/paused_s": sync.paused_s,
+        "sync/verified": float(sync.verified),
+        "sync/bytes": sync.num_bytes,
+        "sync/prefix_cache_flushed": float(bool(sync.prefix_cache_flushed)),
+        **prefixed(sync.seconds, "sync/phase_"),
+        **_delta_metrics(sync),
+    }
 
 
 def _delta_metrics(sync: Any) -> dict[str, float]:

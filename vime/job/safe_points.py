@@ -42,17 +42,27 @@ class SafePoints:
             self.fleet.note_batch_wait(self._batch_wait_s)
         return batch
 
-    def sync(self, step: int) -> tuple[SyncReport, dict[str, float]]:
-        """Step `step`'s sync, with the fleet's changes around it; the report and the metrics
-        of the fleet and of the engines' recovery (rank 0)."""
-        self.fleet.before_sync(step)  # engines join or leave here, never during a sync
-        report = self.faults.update_weights()
-        self.fleet.after_sync(report)  # joiners hold this sync's weights: they serve now
+    def after_train(self, step: int, due: bool) -> tuple[SyncReport | None, dict[str, float]]:
+        """After step `step` trained: its sync if `due` (weight_sync.interval), with the fleet's
+        changes around it; the report (None without a sync) and the metrics of the fleet and of
+        the engines' recovery (rank 0)."""
+        self.faults.weights_ahead = True  # the engines serve older weights than the trainer's
+        report = None
+        if due:
+            self.fleet.before_sync(step)  # engines join or leave here, never during a sync
+            report = self.faults.update_weights()
+            self.fleet.after_sync(report)  # joiners hold this sync's weights: they serve now
         metrics = self.recovery.metrics() if self.recovery is not None else {}
         metrics["time/batch_wait_s"] = self._batch_wait_s  # the trainer waiting for its batch
         if self.rank == 0:
             metrics.update(self.fleet.metrics())
         return report, metrics
+
+    @property
+    def engines_hold_trainer_weights(self) -> bool:
+        """Whether the engines' current version is the trainer's current weights (no step
+        trained since the last sync)."""
+        return not self.faults.weights_ahead
 
     def sync_after_warm_start(self) -> SyncReport:
         """The sync after supervised warm-up (no fleet change before it)."""

@@ -67,6 +67,9 @@ class SyncReport:
     full_bytes: int = 0
     # A delta sync failed and the same version then went in full before the engines resumed.
     repaired: bool = False
+    # Rank 0: from the pause request to the resume's answer, the longest the engines can have
+    # stood still for this sync (0.0 on other ranks, and where the caller keeps them paused).
+    paused_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -183,6 +186,7 @@ def run_sync_session(
     def flush() -> None:
         report.prefix_cache_flushed = control.flush(clear_cache)
 
+    paused_at = time.monotonic()
     with control.paused(resume_on_failure):
         step("pause", lambda: control.pause(clear_cache))
         step("flush", flush)
@@ -194,6 +198,8 @@ def run_sync_session(
         if verify is not None:
             step("verify", verify)
         step("resume", control.resume)
+    if engines:
+        report.paused_s = time.monotonic() - paused_at
 
     # Rank 0 tells every sync once; the other ranks' view of it is detail.
     level = logging.INFO if rank == 0 else logging.DEBUG

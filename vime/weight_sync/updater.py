@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -34,10 +35,7 @@ from vime.megatron.converters import DecoderConverter
 from vime.megatron.gather import GatherGroups, GatherPlan, HFWeightMeta
 from vime.megatron.topology import Topology
 from vime.utils.timing import PhaseTimer
-from vime.weight_sync.buckets import (
-    Bucket,
-    plan_buckets,
-)
+from vime.weight_sync.buckets import Bucket, plan_buckets
 from vime.weight_sync.checks import Served, check_engines, verify_engines, wire_dtypes
 from vime.weight_sync.delta import DeltaEncoder, DeltaStats
 from vime.weight_sync.devices import device_id, plugin_device
@@ -284,12 +282,14 @@ class WeightUpdater:
         mode = "dense"
         if self.config.transport.delta:
             mode = "delta" if self._delta_valid else "full"
+        began = time.monotonic()
         try:
             report = self._sync(version, mode)
         except WeightSyncError as failed:
             if mode != "delta":
                 raise
-            report = self._repair(version, failed)
+            report = self._repair(version, failed)  # the engines stood still through both:
+            report.paused_s = (time.monotonic() - began) if report.paused_s else 0.0
         self.weight_version = version
         return report
 
