@@ -128,6 +128,24 @@ def test_weight_version_spans_expand_per_token():
     assert expand_weight_versions(None, 2) == [None, None]
 
 
+def test_switch_gaps_measure_the_stream_where_the_version_changes():
+    from vime.engines.generate_api import GenerationResult
+
+    result = GenerationResult("r", "http://e", [1], token_ids=list(range(5)))
+    # Chunks of 2, 1 (the last old token), then 2 tokens (the first new one comes 0.5 s later),
+    # and a closing chunk with no token.
+    result.chunk_times, result.chunk_ends = [10.0, 10.1, 10.6, 10.7], [2, 3, 5, 5]
+    result.version_spans = [
+        {"version": "1", "start": 0, "end": 3},
+        {"version": "2", "start": 3, "end": 5},
+    ]
+    assert result.switch_gaps() == [pytest.approx(0.5)]  # read from the spans while streaming
+    result.weight_versions = ["1", "1", "2", "2", "2"]  # ended: the expanded versions win
+    assert result.switch_gaps() == [pytest.approx(0.1)]  # tokens 1 and 2 were chunks 0 and 1
+    result.weight_versions = ["1"] * 5
+    assert result.switch_gaps() == []
+
+
 def test_sampling_request_asks_for_sampled_logprob_only():
     params = SamplingConfig(max_tokens=4, temperature=0.0).to_request()
     assert params["logprobs"] == 0 and "seed" not in params

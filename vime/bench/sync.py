@@ -14,6 +14,8 @@ trainer rank(s), and then measures, for the same bytes:
 - naive:   the shm session with one update_weights request (and one segment) per tensor;
 - disk:    pause, save safetensors, vLLM `reload_weights` from that directory, resume;
 - control: a session that moves no bytes: every HTTP round trip and barrier of one sync.
+Through each timed sync of shm, gloo and naive a greedy request streams (`--probe-tokens`): its
+gap at the version switch is the sync's stall as a client sees it (`vime.bench.stall`).
 
 Prints a table (seconds per phase of the median sync) and writes every figure, iteration by
 iteration, to `--out`/bench_sync.json. Each iteration flips the sign of every weight first, so
@@ -107,6 +109,7 @@ def bench_dtype(
                     num_bytes=num_bytes,
                     iterations=args.iterations,
                     warmup=args.warmup,
+                    probe_tokens=args.probe_tokens,
                 )
             )
             version = updater.weight_version
@@ -152,6 +155,7 @@ def bench_baselines(
                 num_bytes=num_bytes,
                 iterations=args.iterations,
                 warmup=args.warmup,
+                probe_tokens=args.probe_tokens,
             )
         )
         version = updater.weight_version
@@ -223,6 +227,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--warmup", type=int, default=3, help="untimed syncs first (the heap reaches steady size)"
+    )
+    parser.add_argument(
+        "--probe-tokens",
+        type=int,
+        default=400,
+        help="a greedy request of this many tokens streams through each timed sync: its gap at "
+        "the version switch is the stall a client sees (0: no probe; keep it under the "
+        "engine's max_model_len, 512 for the engines this command starts)",
     )
     parser.add_argument("--bucket-mib", type=int, default=512, help="bucket cap in MiB")
     parser.add_argument("--tp", type=int, default=1, help="trainer tensor-parallel size")

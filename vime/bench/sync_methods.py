@@ -5,6 +5,7 @@ gloo), the control plane alone, and the disk baseline.
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vime.bench.stall import StreamProbe
 from vime.bench.sync_results import FLOOR_REPEATS, SYNC_PHASES, Measurement
 from vime.bench.sync_setup import Trainer
 from vime.utils.timing import PhaseTimer
@@ -89,22 +91,34 @@ def bench_updater(
     num_bytes: int,
     iterations: int,
     warmup: int,
+    probe_tokens: int = 0,
 ) -> Measurement:
     """`warmup` + `iterations` syncs; only the last `iterations` are in the table.
 
     The first syncs are slower: segments and receive buffers are created, and the engine's heap
     grows to its steady size (engine.cpu_reuse_freed_memory); an RL run does thousands of syncs.
+    With `probe_tokens`, a greedy request of that many tokens streams through each sync (rank
+    0): its gap at the version switch is the row's "stall" (`vime.bench.stall`).
     """
     measurement = Measurement(method, dtype, num_bytes)
     is_rank0 = dist.get_rank(trainer.sync_group) == 0
     for index in range(warmup + iterations):
         trainer.flip_weights()
+        probe = None
+        if probe_tokens and is_rank0:
+            version = str(updater.weight_version + 1)
+            probe = StreamProbe(engine.url, engine.auth_token, probe_tokens, version)
+            probe.wait_streaming()
         report = updater.update_weights()
+        stall = probe.stall_s() if probe is not None else math.nan
         stats = engine.collective_rpc("vime_weight_update_stats")[0] if is_rank0 else {}
         if is_rank0:
             measurement.engine_rss_gib.append(engine_rss_gib(engine))
         if index >= warmup:
-            measurement.iterations.append(sync_phases(report, stats))
+            row = sync_phases(report, stats)
+            if is_rank0:
+                row["paused"], row["stall"] = report.paused_s, stall
+            measurement.iterations.append(row)
             measurement.engine_stats.append(stats)
         else:
             measurement.warmup_totals.append(report.total_s)

@@ -5,10 +5,12 @@ results, the table and the summary lines.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from statistics import median
 
 logger = logging.getLogger("vime.bench")
+NAN = math.nan
 
 BENCH_TRANSPORTS = ("gloo", "shm")  # the CPU ones
 # The columns of a sync, in order; with "other" (barriers, bookkeeping) they add up to the total
@@ -155,6 +157,7 @@ def summarize(results: list[DtypeResult]) -> list[str]:
     lines = []
     for result, label in zip(results, result_labels(results), strict=True):
         means = {m.method: m.typical() for m in result.measurements}
+        measured = {m.method: m.iterations for m in result.measurements}
         by_method = {method: mean.get("total", 0.0) for method, mean in means.items()}
         for method in ("shm", "gloo"):
             if method not in by_method:
@@ -169,6 +172,15 @@ def summarize(results: list[DtypeResult]) -> list[str]:
                 line += (
                     f" ({rest:.3f} s = {rest / result.floor_s:.1f}x without the engine's own "
                     f"load_weights, {load:.3f} s)"
+                )
+            stalls = [
+                it["stall"] for it in measured[method] if not math.isnan(it.get("stall", NAN))
+            ]
+            if stalls:
+                paused = median(it["paused"] for it in measured[method])
+                line += (
+                    f"; a request streaming through it stood still {median(stalls):.3f} s "
+                    f"(median of {len(stalls)}; engines paused {paused:.3f} s)"
                 )
             for baseline in ("disk", "naive"):
                 if baseline in by_method:

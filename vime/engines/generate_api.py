@@ -6,6 +6,7 @@ served from the prefix cache). `vime.engines.generation` sends the requests.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -60,10 +61,34 @@ class GenerationResult:
     # launcher starts engines with --enable-prompt-tokens-details, and with streaming it comes
     # only with stream_options.include_usage).
     num_cached_tokens: int | None = None
+    # Streamed: when each chunk arrived (time.monotonic) and how many tokens the result held
+    # after it; what `switch_gaps` measures a sync's stall from.
+    chunk_times: list[float] = field(default_factory=list, repr=False)
+    chunk_ends: list[int] = field(default_factory=list, repr=False)
+    # vLLM's [{version, start, end}) spans of the tokens so far (weight_versions, expanded, is
+    # set when the request ends).
+    version_spans: list[dict[str, Any]] | None = field(default=None, repr=False)
 
     @property
     def aborted(self) -> bool:
         return self.finish_reason == "abort"
+
+    def switch_gaps(self) -> list[float]:
+        """Seconds between the chunk with the last token of one weight version and the chunk
+        with the first token of the next, per version switch: how long a sync held this
+        request's stream (a decode step and the stream's own delay included). Streamed
+        results only (also one cancelled mid-stream); a switch inside one chunk counts 0."""
+        versions = self.weight_versions or expand_weight_versions(
+            self.version_spans, len(self.token_ids)
+        )
+        gaps = []
+        for index in range(1, len(versions)):
+            if versions[index] != versions[index - 1]:
+                before = bisect.bisect_left(self.chunk_ends, index)  # the chunk of token index-1
+                after = bisect.bisect_left(self.chunk_ends, index + 1)  # that of token index
+                if after < len(self.chunk_times):
+                    gaps.append(self.chunk_times[after] - self.chunk_times[before])
+        return gaps
 
 
 def cached_tokens(body: dict[str, Any], default: int | None = None) -> int | None:

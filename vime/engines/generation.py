@@ -329,6 +329,9 @@ class GenerationClient:
                     if "error" in chunk:
                         raise GenerationError(f"POST {endpoint}: stream error {chunk['error']}")
                     spans = add_choices(result, chunk["choices"]) or spans
+                    result.chunk_times.append(time.monotonic())
+                    result.chunk_ends.append(len(result.token_ids))
+                    result.version_spans = spans
                     result.num_cached_tokens = cached_tokens(chunk, result.num_cached_tokens)
                     if on_tokens is not None:
                         on_tokens(result)
