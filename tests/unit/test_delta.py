@@ -66,6 +66,23 @@ def test_delta_reproduces_every_bit_and_sends_only_changed_elements():
     assert len(buckets) >= 2  # indices and values may sit in different buckets
 
 
+def test_the_compare_in_chunks_on_several_threads_finds_every_change(monkeypatch):
+    import vime.weight_sync.delta as delta
+
+    monkeypatch.setattr(delta, "CHUNK_ELEMENTS", 100)  # 1001 elements: 11 chunks, a short last
+    encoder = DeltaEncoder()
+    old = torch.randn(1001).to(torch.bfloat16)
+    encoder.remember("w", old)
+    new = old.clone()
+    changed = torch.tensor([0, 99, 100, 101, 555, 999, 1000])  # both sides of chunk edges
+    new[changed] += 1.0
+    stats = DeltaStats()
+    (indices_entry, values_entry) = encoder.encode("w", new, stats)
+    assert indices_entry[1].tolist() == changed.tolist() and stats.changed == len(changed)
+    assert torch.equal(bits(values_entry[1]), bits(new[changed]))
+    assert encoder.encode("w", new, DeltaStats()) == []  # the last-sent copy caught up
+
+
 def test_unchanged_tensors_send_nothing_and_signed_zero_and_nan_count_as_changes():
     encoder, engine = DeltaEncoder(), Baseline()
     old = {"w": torch.tensor([0.0, 1.0, float("nan"), 2.0])}
