@@ -112,7 +112,7 @@ def test_step_line_counts_steps_and_estimates_the_rest(caplog):
         total_s=0.1, verified=True, num_bytes=1, prefix_cache_flushed=True, weight_version=4
     )
     with caplog.at_level(logging.INFO):
-        reporter.step(3, batch=None, train={}, sync=sync, train_span=(0, 1))
+        reporter.step(3, batch=None, train={}, trainer_version=3, sync=sync, train_span=(0, 1))
     assert caplog.messages == []  # ranks without a writer log nothing
 
 

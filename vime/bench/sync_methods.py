@@ -97,15 +97,15 @@ def bench_updater(
 
     The first syncs are slower: segments and receive buffers are created, and the engine's heap
     grows to its steady size (engine.cpu_reuse_freed_memory); an RL run does thousands of syncs.
-    With `probe_tokens`, a greedy request of that many tokens streams through each sync (rank
-    0): its gap at the version switch is the row's "stall" (`vime.bench.stall`).
+    With `probe_tokens`, a greedy request of that many tokens streams through each timed sync
+    (rank 0): its gap at the version switch is the row's "stall" (`vime.bench.stall`).
     """
     measurement = Measurement(method, dtype, num_bytes)
     is_rank0 = dist.get_rank(trainer.sync_group) == 0
     for index in range(warmup + iterations):
         trainer.flip_weights()
         probe = None
-        if probe_tokens and is_rank0:
+        if probe_tokens and is_rank0 and index >= warmup:
             version = str(updater.weight_version + 1)
             probe = StreamProbe(engine.url, engine.auth_token, probe_tokens, version)
             probe.wait_streaming()
