@@ -40,6 +40,15 @@ class TrainerConfig(StrictModel):
     collective_timeout_s: float = Field(
         600.0, gt=0, description="Timeout of the trainer's collectives (DP gradient sums)."
     )
+    moe_routing_replay: bool = Field(
+        False,
+        description=(
+            "MoE models: the trainer's routers take the experts the engine routed each token "
+            "to (R3), from the engines' routed_experts (started with "
+            "--enable-return-routed-experts); every sample of a batch must carry them. vLLM "
+            "0.32's CPU build does not return them."
+        ),
+    )
     seed: int = Field(0, description="Torch seed on every rank.")
     cpu_cores: Literal["auto"] | list[int] | None = Field(
         None,

@@ -6,9 +6,13 @@ served from the prefix cache). `vime.engines.generation` sends the requests.
 
 from __future__ import annotations
 
+import base64
 import bisect
+import io
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import numpy as np
 
 
 class GenerationError(RuntimeError):
@@ -68,6 +72,9 @@ class GenerationResult:
     # vLLM's [{version, start, end}) spans of the tokens so far (weight_versions, expanded, is
     # set when the request ends).
     version_spans: list[dict[str, Any]] | None = field(default=None, repr=False)
+    # The experts each MoE layer routed each token to, [prompt + output tokens - 1, layers,
+    # top-k] (engines started with --enable-return-routed-experts; None otherwise).
+    routed_experts: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def aborted(self) -> bool:
@@ -109,7 +116,21 @@ def add_choices(result: GenerationResult, choices: list[dict[str, Any]]) -> list
             result.finish_reason = choice["finish_reason"]
         if choice.get("weight_versions") is not None:
             spans = choice["weight_versions"]
+        if choice.get("routed_experts"):
+            result.routed_experts = decode_routed_experts(choice["routed_experts"])
     return spans
+
+
+def decode_routed_experts(encoded: str) -> np.ndarray:
+    """vLLM's `routed_experts` field (base64 of a `.npy` array, read without unpickling):
+    [tokens - 1, MoE layers, top-k] integers."""
+    array = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+    if array.ndim != 3 or array.dtype.kind not in "iu":
+        raise ValueError(
+            f"routed_experts: expected a [tokens, layers, top-k] integer array, got "
+            f"{array.dtype} of shape {array.shape}"
+        )
+    return array
 
 
 def expand_weight_versions(spans: list[dict[str, Any]] | None, num_tokens: int) -> list[str | None]:

@@ -80,6 +80,27 @@ def check_tensor_parallel(config: TrainConfig) -> None:
         check_layers_split(layers, pp, vp, "trainer")
 
 
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+
+
+def routing_replay_engine_args(config: TrainConfig) -> list[str] | None:
+    """trainer.moe_routing_replay: the engines' extra_args with vLLM's routed-experts flag (None:
+    unchanged); refused for a checkpoint without experts."""
+    if not config.trainer.moe_routing_replay:
+        return None
+    path = Path(config.engine.model_path) / "config.json"
+    if path.is_file():
+        hf = json.loads(path.read_text())
+        if not (hf.get("num_experts") or hf.get("num_local_experts")):
+            raise _field_error(
+                "trainer.moe_routing_replay",
+                True,
+                f"{config.engine.model_path} is not a MoE model (no num_experts in its config)",
+            )
+    extra = list(config.engine.extra_args)
+    return extra if ROUTED_EXPERTS_FLAG in extra else [*extra, ROUTED_EXPERTS_FLAG]
+
+
 def preflight(config: TrainConfig) -> TrainConfig:
     """`config` with its data paths resolved; ValueError naming the first bad field."""
     check_checkpoint(config)
@@ -92,6 +113,9 @@ def preflight(config: TrainConfig) -> TrainConfig:
     updates: dict[str, object] = {
         "rollout": config.rollout.model_copy(update={"prompts_path": rollout})
     }
+    engine_args = routing_replay_engine_args(config)
+    if engine_args is not None:
+        updates["engine"] = config.engine.model_copy(update={"extra_args": engine_args})
     if config.eval.prompts_path is not None:
         held_out, _ = _data_file("eval.prompts_path", config.eval.prompts_path)
         updates["eval"] = config.eval.model_copy(update={"prompts_path": held_out})

@@ -226,6 +226,7 @@ class RolloutManager:
             num_aborted_retries=retries,
             salt_version=version if salt is not None else None,
             num_cached_tokens=result.num_cached_tokens,
+            routed_experts=result.routed_experts,
         )
 
 

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 # vLLM's weight-version label until the first labelled update.
@@ -65,6 +66,9 @@ class RolloutSample:
     # tokens the engine took from its prefix cache (None: it did not say).
     salt_version: int | None = None
     num_cached_tokens: int | None = None
+    # The experts each MoE layer routed each token to (engines that return them):
+    # [prompt + response tokens - 1, MoE layers, top-k]; replayed by the trainer.
+    routed_experts: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def stale_prefix(self) -> bool:
@@ -126,6 +130,9 @@ class PackedBatch:
     rewards: torch.Tensor  # [batch] float32
     group_size: int
     token_versions: torch.Tensor | None = None  # [batch, seq - 1] int64, -1 where mask is 0
+    # [batch, seq - 1, MoE layers, top-k] int64: the engines' experts per forward position
+    # (every sample had them), for trainer.moe_routing_replay.
+    routes: torch.Tensor | None = None
 
 
 @dataclass
@@ -147,6 +154,7 @@ class RolloutBatch:
         with Path(path).open("a") as out:
             for sample in self.samples:
                 row = {"step": self.step, **asdict(sample)}
+                row.pop("routed_experts")  # an array; kept out of the text file
                 if trainer_version is not None:
                     row["lag"] = sample.lag(trainer_version)
                 out.write(json.dumps(row) + "\n")
@@ -176,6 +184,9 @@ class RolloutBatch:
             # A sample whose prompt KV may be another version's is no one version's: -2 matches
             # no trainer version, so the same-version log-prob check leaves it out.
             token_versions[i, start:end] = -2 if sample.stale_prefix else versions
+        routes = None
+        if all(s.routed_experts is not None for s in self.samples):
+            routes = pack_routes([s.routed_experts for s in self.samples], seq_len - 1)
         return PackedBatch(
             input_ids=input_ids,
             loss_mask=loss_mask,
@@ -183,6 +194,7 @@ class RolloutBatch:
             rewards=torch.tensor(self.rewards, dtype=torch.float32),
             group_size=self.group_size,
             token_versions=token_versions,
+            routes=routes,
         )
 
     def metrics(self, trainer_version: int | None = None) -> dict[str, float]:
@@ -223,3 +235,28 @@ class RolloutBatch:
         if trainer_version is not None:
             metrics.update(staleness_metrics(self.samples, trainer_version))
         return metrics
+
+
+def pack_routes(routes: Sequence[np.ndarray | None], seq_len: int) -> torch.Tensor:
+    """The batch's routes as one [batch, seq_len, layers, top-k] int64 tensor aligned with the
+    trainer's forward inputs (`input_ids[:, :-1]`, seq_len of them). Positions past a sample's
+    own (padding) route to experts 0..k-1: the causal model's real tokens never see them."""
+    first = next((r for r in routes if r is not None), None)
+    if first is None:
+        raise ValueError("no sample has routed experts")
+    num_layers, topk = first.shape[1:]
+    packed = torch.arange(topk, dtype=torch.long).expand(len(routes), seq_len, num_layers, topk)
+    packed = packed.clone()
+    for row, sample_routes in enumerate(routes):
+        if sample_routes is None:
+            raise ValueError(
+                f"sample {row} has no routed experts: with trainer.moe_routing_replay every "
+                "engine must return them (vLLM --enable-return-routed-experts)"
+            )
+        if sample_routes.shape[1:] != (num_layers, topk) or len(sample_routes) > seq_len:
+            raise ValueError(
+                f"sample {row}: routed experts of shape {tuple(sample_routes.shape)} do not fit "
+                f"{seq_len} positions x {num_layers} MoE layers x top-{topk}"
+            )
+        packed[row, : len(sample_routes)] = torch.from_numpy(sample_routes.astype(np.int64))
+    return packed

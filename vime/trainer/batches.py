@@ -20,6 +20,7 @@ class MicroBatch:
     rollout_logprobs: torch.Tensor  # [size, seq - 1]
     advantages: torch.Tensor  # [size]
     versions: torch.Tensor | None  # [size, seq - 1] weight version of each token, -1 on padding
+    routes: torch.Tensor | None = None  # [size, seq - 1, MoE layers, top-k] experts to replay
 
 
 def split_micro_batches(
@@ -51,6 +52,7 @@ def split_micro_batches(
     rollout = rows(batch.rollout_logprobs, 0)
     advantages = rows(advantages, 0)
     versions = None if batch.token_versions is None else rows(batch.token_versions, -1)
+    routes = None if batch.routes is None else rows(batch.routes, 0)
     return [
         MicroBatch(
             index=i,
@@ -59,6 +61,7 @@ def split_micro_batches(
             rollout_logprobs=rollout[i * size : (i + 1) * size],
             advantages=advantages[i * size : (i + 1) * size],
             versions=None if versions is None else versions[i * size : (i + 1) * size],
+            routes=None if routes is None else routes[i * size : (i + 1) * size],
         )
         for i in range(count)
     ]

@@ -37,6 +37,7 @@ from vime.megatron.model import (
     pad_vocab_size,
     unwrap,
 )
+from vime.megatron.routing_replay import replay_routes
 from vime.megatron.topology import Topology
 from vime.rl.loss import group_advantages, grpo_loss, importance_log_weights
 from vime.rl.samples import PackedBatch
@@ -89,9 +90,7 @@ class MegatronTrainer:
             self.hf_config,
             padded_vocab_size=pad_vocab_size(self.vocab_size, topology.tp_size),
         )
-        self.model = build_gpt_chunks(
-            self.converter, topology, params_dtype=_DTYPES[config.params_dtype]
-        )
+        self.model = self._build_chunks()
         load_hf_checkpoint(self.model, model_path, converter=self.converter, topology=topology)
         # The KL penalty's reference policy: the initial weights (the SFT ones after start_rl),
         # sharded like the policy, frozen.
@@ -111,10 +110,14 @@ class MegatronTrainer:
             weight_decay=self.config.weight_decay,
         )
 
+    def _build_chunks(self) -> list[torch.nn.Module]:
+        # With moe_routing_replay the routers (the reference's too) take the rollout's experts.
+        replay = {"moe_enable_routing_replay": True} if self.config.moe_routing_replay else {}
+        dtype = _DTYPES[self.config.params_dtype]
+        return build_gpt_chunks(self.converter, self.topology, params_dtype=dtype, **replay)
+
     def _frozen_copy(self, model_path: str) -> list[torch.nn.Module]:
-        chunks = build_gpt_chunks(
-            self.converter, self.topology, params_dtype=_DTYPES[self.config.params_dtype]
-        )
+        chunks = self._build_chunks()
         load_hf_checkpoint(chunks, model_path, converter=self.converter, topology=self.topology)
         for chunk in chunks:
             for param in chunk.parameters():
@@ -158,7 +161,9 @@ class MegatronTrainer:
 
         def forward_step(data_iterator, chunk):
             micro = next(data_iterator)
-            output = stage_forward(chunk, micro.input_ids[:, :-1])
+            routes = micro.routes if self.config.moe_routing_replay else None
+            with replay_routes(chunk, routes):  # no-op without routes
+                output = stage_forward(chunk, micro.input_ids[:, :-1])
             return output, functools.partial(loss_of, micro)
 
         first = micro_batches[0]

@@ -1,0 +1,76 @@
+"""MoE routing replay on real megatron-core (one gloo rank, the tiny Qwen3-MoE): routes recorded
+from the trainer's own routers stand for the engine's (vLLM CPU cannot return routed experts).
+
+Replaying the routes a router chose itself changes no bit of the log-probs; replaying them with
+one token's experts changed at one layer changes that token's log-prob and every later one of
+its sample, and nothing before it or in the other sample (a causal model, tokens routed apart).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron_harness import COLLECTIVE_TIMEOUT, init_gloo_rank, spawn_ranks
+
+pytestmark = pytest.mark.distributed
+
+CHANGED_AT = 7  # the input position whose experts the test changes (sample 0, layer 0)
+
+
+def _worker(rank: int, world_size: int, port: int, model_dir: str, out: str) -> None:
+    from vime.megatron.converters import get_converter
+    from vime.megatron.forward import token_logprobs
+    from vime.megatron.model import (
+        build_gpt_model,
+        initialize_model_parallel,
+        load_hf_checkpoint,
+        load_hf_config,
+        pad_vocab_size,
+    )
+    from vime.megatron.routing_replay import record_routes, replay_routes, routes_from_records
+
+    init_gloo_rank(rank, world_size, port)
+    topology = initialize_model_parallel(tp=1, pp=1, timeout=COLLECTIVE_TIMEOUT)
+    hf_config = load_hf_config(model_dir)
+    converter = get_converter(hf_config, padded_vocab_size=pad_vocab_size(hf_config.vocab_size, 1))
+    model = build_gpt_model(converter, topology, moe_enable_routing_replay=True)
+    load_hf_checkpoint(model, model_dir, converter=converter, topology=topology)
+    model.eval()
+    ids = torch.randint(
+        0, hf_config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0)
+    )
+    vocab = hf_config.vocab_size
+    with torch.no_grad():
+        records: dict[int, torch.Tensor] = {}
+        with record_routes(model, records):
+            own = token_logprobs(model, ids, vocab_size=vocab)
+        routes = routes_from_records(records, batch=2)
+        with replay_routes(model, routes):
+            replayed = token_logprobs(model, ids, vocab_size=vocab)
+        changed = routes.clone()
+        experts = converter.dims.num_experts
+        chosen = set(changed[0, CHANGED_AT, 0].tolist())
+        others = [e for e in range(experts) if e not in chosen][: changed.shape[-1]]
+        changed[0, CHANGED_AT, 0] = torch.tensor(others)
+        with replay_routes(model, changed):
+            moved = token_logprobs(model, ids, vocab_size=vocab)
+        after = token_logprobs(model, ids, vocab_size=vocab)  # the routers route as trained again
+    torch.save(
+        {"own": own, "replayed": replayed, "moved": moved, "after": after, "routes": routes},
+        f"{out}/rank{rank}.pt",
+    )
+
+
+def test_replayed_routes_drive_the_routers_exactly(model_builder, tmp_path):
+    model_dir = model_builder("qwen3-moe-tiny", "float32")
+    spawn_ranks(_worker, 1, (str(model_dir), str(tmp_path)), timeout_s=150, what="routing replay")
+    result = torch.load(tmp_path / "rank0.pt")
+    own, replayed, moved, after = (result[k] for k in ("own", "replayed", "moved", "after"))
+    routes = result["routes"]
+    assert routes.shape[:2] == (2, 23) and routes.shape[2] >= 2  # [batch, positions, layers, k]
+    assert torch.equal(replayed, own)
+    assert torch.equal(after, own)  # nothing left set in the routers
+    # Position t of the log-probs scores token t + 1 from the forward at position t.
+    assert torch.equal(moved[0, :CHANGED_AT], own[0, :CHANGED_AT])
+    assert not torch.equal(moved[0, CHANGED_AT], own[0, CHANGED_AT])
+    assert torch.equal(moved[1], own[1])
