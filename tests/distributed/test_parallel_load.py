@@ -138,22 +138,12 @@ def _ep2_sync(rank: int, world_size: int, port: int, model_dir: str, url: str, o
     """A megatron-core trainer rank (EP=2) loading `model_dir` and syncing it into `url`."""
     import torch.distributed as dist
 
-    from vime.megatron.converters import get_converter
-    from vime.megatron.model import (
-        build_gpt_model,
-        initialize_model_parallel,
-        load_hf_checkpoint,
-        load_hf_config,
-        pad_vocab_size,
-    )
+    from vime.megatron.model import build_from_hf, initialize_model_parallel
     from vime.plugin import EngineConfig, RolloutEngines, WeightSync, WeightSyncConfig
 
     init_gloo_rank(rank, world_size, port)
     topology = initialize_model_parallel(ep=2, timeout=COLLECTIVE_TIMEOUT)
-    hf_config = load_hf_config(model_dir)
-    converter = get_converter(hf_config, padded_vocab_size=pad_vocab_size(hf_config.vocab_size, 1))
-    model = build_gpt_model(converter, topology)
-    load_hf_checkpoint(model, model_dir, converter=converter, topology=topology)
+    model, _ = build_from_hf(model_dir, topology)
     config = WeightSyncConfig(
         transport="shm", verify_checksums=True, update_weight_buffer_size=BUCKET_BYTES
     )

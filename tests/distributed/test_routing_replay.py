@@ -21,28 +21,18 @@ CHANGED_AT = 7  # the input position whose experts the test changes (sample 0, l
 
 
 def _worker(rank: int, world_size: int, port: int, model_dir: str, out: str) -> None:
-    from vime.megatron.converters import get_converter
     from vime.megatron.forward import token_logprobs
-    from vime.megatron.model import (
-        build_gpt_model,
-        initialize_model_parallel,
-        load_hf_checkpoint,
-        load_hf_config,
-        pad_vocab_size,
-    )
+    from vime.megatron.model import build_from_hf, initialize_model_parallel
     from vime.megatron.routing_replay import record_routes, replay_routes, routes_from_records
 
     init_gloo_rank(rank, world_size, port)
     topology = initialize_model_parallel(tp=1, pp=1, timeout=COLLECTIVE_TIMEOUT)
-    hf_config = load_hf_config(model_dir)
-    converter = get_converter(hf_config, padded_vocab_size=pad_vocab_size(hf_config.vocab_size, 1))
-    model = build_gpt_model(converter, topology, moe_enable_routing_replay=True)
-    load_hf_checkpoint(model, model_dir, converter=converter, topology=topology)
+    model, converter = build_from_hf(model_dir, topology, moe_enable_routing_replay=True)
     model.eval()
     ids = torch.randint(
-        0, hf_config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0)
+        0, converter.dims.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0)
     )
-    vocab = hf_config.vocab_size
+    vocab = converter.dims.vocab_size
     with torch.no_grad():
         records: dict[int, torch.Tensor] = {}
         with record_routes(model, records):

@@ -374,14 +374,16 @@ def build_from_hf(
     *,
     params_dtype: torch.dtype = torch.float32,
     vocab_divisible_by: int = 128,
+    **config_overrides: Any,
 ) -> tuple[torch.nn.Module, DecoderConverter]:
     """One GPTModel (no virtual pipeline stages) of this rank's part of the HF checkpoint at
-    `hf_dir`, loaded, and the converter it was built with (vocabulary padded for `topology`)."""
+    `hf_dir`, loaded, and the converter it was built with (vocabulary padded for `topology`);
+    `config_overrides` go to its TransformerConfig."""
     from vime.megatron.converters import get_converter
 
     hf_config = load_hf_config(hf_dir)
     padded = pad_vocab_size(hf_config.vocab_size, topology.tp_size, divisible_by=vocab_divisible_by)
     converter = get_converter(hf_config, padded_vocab_size=padded)
-    model = build_gpt_model(converter, topology, params_dtype=params_dtype)
+    model = build_gpt_model(converter, topology, params_dtype=params_dtype, **config_overrides)
     load_hf_checkpoint(model, hf_dir, converter=converter, topology=topology)
     return model, converter
