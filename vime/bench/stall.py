@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
-from typing import Any
 
 from vime.engines.generate_api import GenerationResult, SamplingConfig
 from vime.engines.generation import GenerationClient
@@ -82,9 +81,3 @@ class StreamProbe:
             raise self.error
         gaps = self.result.switch_gaps() if self.result is not None else []
         return max(gaps) if gaps else math.nan
-
-
-def probe_stats(stalls: list[float]) -> dict[str, Any]:
-    """The probes of one method: how many measured a switch, and their stalls."""
-    measured = [s for s in stalls if not math.isnan(s)]
-    return {"stall_s": stalls, "stall_measured": len(measured)}

@@ -70,7 +70,7 @@ class GenerationResult:
     chunk_times: list[float] = field(default_factory=list, repr=False)
     chunk_ends: list[int] = field(default_factory=list, repr=False)
     # vLLM's [{version, start, end}) spans of the tokens so far (weight_versions, expanded, is
-    # set when the request ends).
+    # set from them when the request ends).
     version_spans: list[dict[str, Any]] | None = field(default=None, repr=False)
     # The experts each MoE layer routed each token to, [prompt + output tokens - 1, layers,
     # top-k] (engines started with --enable-return-routed-experts; None otherwise).
@@ -105,9 +105,9 @@ def cached_tokens(body: dict[str, Any], default: int | None = None) -> int | Non
     return int(cached) if isinstance(cached, int) else default
 
 
-def add_choices(result: GenerationResult, choices: list[dict[str, Any]]) -> list[dict] | None:
-    """Append one response's (or stream chunk's) tokens to result; return its version spans."""
-    spans = None
+def add_choices(result: GenerationResult, choices: list[dict[str, Any]]) -> None:
+    """Append one response's (or stream chunk's) tokens to result; its version spans (which
+    cover every token so far) replace the result's."""
     for choice in choices:
         result.token_ids.extend(choice.get("token_ids") or [])
         content = (choice.get("logprobs") or {}).get("content") or []
@@ -115,10 +115,9 @@ def add_choices(result: GenerationResult, choices: list[dict[str, Any]]) -> list
         if choice.get("finish_reason") is not None:
             result.finish_reason = choice["finish_reason"]
         if choice.get("weight_versions") is not None:
-            spans = choice["weight_versions"]
+            result.version_spans = choice["weight_versions"]
         if choice.get("routed_experts"):
             result.routed_experts = decode_routed_experts(choice["routed_experts"])
-    return spans
 
 
 def decode_routed_experts(encoded: str) -> np.ndarray:

@@ -306,7 +306,6 @@ class GenerationClient:
     ) -> None:
         # Errors name the engine by index and URL (the index is what the job's logs use).
         endpoint = f"engine {self.urls.index(url)} at {url}/inference/v1/generate"
-        spans = None
         try:
             post = self._get_session().post(f"{url}/inference/v1/generate", json=payload)
             async with post as response:
@@ -315,9 +314,9 @@ class GenerationClient:
                     raise GenerationError(f"POST {endpoint} -> HTTP {response.status}: {body}")
                 if not payload["stream"]:
                     body = await response.json()
-                    spans = add_choices(result, body["choices"])
+                    add_choices(result, body["choices"])
                     result.num_cached_tokens = cached_tokens(body)
-                    return self._finish(endpoint, result, spans)
+                    return self._finish(endpoint, result)
                 async for raw_line in response.content:
                     line = raw_line.strip()
                     if not line.startswith(b"data:"):
@@ -328,10 +327,9 @@ class GenerationClient:
                     chunk = json.loads(data)
                     if "error" in chunk:
                         raise GenerationError(f"POST {endpoint}: stream error {chunk['error']}")
-                    spans = add_choices(result, chunk["choices"]) or spans
+                    add_choices(result, chunk["choices"])
                     result.chunk_times.append(time.monotonic())
                     result.chunk_ends.append(len(result.token_ids))
-                    result.version_spans = spans
                     result.num_cached_tokens = cached_tokens(chunk, result.num_cached_tokens)
                     if on_tokens is not None:
                         on_tokens(result)
@@ -341,13 +339,13 @@ class GenerationClient:
             raise GenerationError(
                 f"POST {endpoint}: no completion within {self._timeout.total:g} s"
             ) from exc
-        self._finish(endpoint, result, spans)
+        self._finish(endpoint, result)
 
     @staticmethod
-    def _finish(endpoint: str, result: GenerationResult, spans: list[dict] | None) -> None:
+    def _finish(endpoint: str, result: GenerationResult) -> None:
         if len(result.logprobs) != len(result.token_ids):
             raise GenerationError(
                 f"{endpoint}: {len(result.token_ids)} tokens but {len(result.logprobs)} log-probs "
                 f"for request {result.request_id}"
             )
-        result.weight_versions = expand_weight_versions(spans, len(result.token_ids))
+        result.weight_versions = expand_weight_versions(result.version_spans, len(result.token_ids))
