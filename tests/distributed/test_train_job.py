@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -321,12 +322,26 @@ def _is_alive(pid: int) -> bool:
         return False
 
 
-def test_external_tp2_engine_on_another_node_syncs_over_gloo(tmp_path, tiny_model_dir):
+def test_external_tp2_engine_on_another_node_syncs_over_gloo(tmp_path, tiny_model_dir, monkeypatch):
     """engine.external_urls on another node: the trainer's node is 127.0.0.2, the engine (started
     here, as someone else's server would be) 127.0.0.3, with tensor parallelism 2; the job reads
-    its two workers from the server and the weight-sync group (1 + 2 ranks) joins across."""
+    its two workers from the server and the weight-sync group (1 + 2 ranks) joins across.
+
+    The launch first loses its port: the port it chose is bound by another socket before vLLM
+    binds it (what a process binding port 0 can do), and it starts again on another."""
     from vime.config import EngineConfig
+    from vime.engines import server as server_module
     from vime.engines.server import launch_server
+    from vime.utils.net import free_port
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.3", 0))
+    taken.listen()
+    taken_port = taken.getsockname()[1]
+    chosen = iter([taken_port])
+    monkeypatch.setattr(
+        server_module, "free_port", lambda host: next(chosen, None) or free_port(host)
+    )
 
     engine = EngineConfig(
         model_path=str(tiny_model_dir),
@@ -335,7 +350,12 @@ def test_external_tp2_engine_on_another_node_syncs_over_gloo(tmp_path, tiny_mode
         max_model_len=256,
         max_num_seqs=128,
     )
-    server = launch_server(engine, host="127.0.0.3", port=None, log_path=tmp_path / "engine.log")
+    with taken:
+        server = launch_server(
+            engine, host="127.0.0.3", port=None, log_path=tmp_path / "engine.log"
+        )
+    assert server.url != f"http://127.0.0.3:{taken_port}"
+    assert b"Address already in use" in (tmp_path / "engine.log").read_bytes()
     try:
         run_dir = tmp_path / "run"
         cmd = job_command(

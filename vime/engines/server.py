@@ -27,6 +27,8 @@ from vime.utils.process_group import end_group
 logger = logging.getLogger(__name__)
 
 LOG_TAIL_CHARS = 4000
+# Launches tried when the port this chose was bound by another process before vLLM bound it.
+PORT_TRIES = 3
 
 
 class EngineStartError(RuntimeError):
@@ -105,8 +107,39 @@ def launch_server(
 ) -> ServerProcess:
     """Start engine `rank`'s server on `host`; return once /health answers 200, else
     EngineStartError. A headless node of a multi-node engine serves no HTTP: it returns once
-    started, and node 0's health says when the whole engine is up."""
-    port = port if port is not None else free_port(host)
+    started, and node 0's health says when the whole engine is up. A port this chooses (port
+    None) that another process binds before vLLM does is chosen again, up to PORT_TRIES times."""
+    tries = 1 if port is not None else PORT_TRIES
+    for attempt in range(1, tries + 1):
+        log_start = log_path.stat().st_size if log_path.exists() else 0
+        try:
+            return _launch_once(config, host, port or free_port(host), log_path, rank, node, token)
+        except EngineStartError:
+            if attempt == tries or not _lost_port_race(log_path, log_start):
+                raise
+            logger.warning("engine %d: its port was taken before vLLM bound it; another", rank)
+    raise AssertionError("unreachable")
+
+
+def _lost_port_race(log_path: Path, since: int) -> bool:
+    """The launch whose log starts at byte `since` failed to bind its HTTP port."""
+    try:
+        with open(log_path, "rb") as log:
+            log.seek(since)
+            return b"Address already in use" in log.read()
+    except FileNotFoundError:
+        return False
+
+
+def _launch_once(
+    config: EngineConfig,
+    host: str,
+    port: int,
+    log_path: Path,
+    rank: int,
+    node: EngineNodeRole | None,
+    token: str | None,
+) -> ServerProcess:
     cmd, env = build_server_command(config, port, rank, host, node, token)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
