@@ -325,7 +325,9 @@ def _is_alive(pid: int) -> bool:
 def test_external_tp2_engine_on_another_node_syncs_over_gloo(tmp_path, tiny_model_dir, monkeypatch):
     """engine.external_urls on another node: the trainer's node is 127.0.0.2, the engine (started
     here, as someone else's server would be) 127.0.0.3, with tensor parallelism 2; the job reads
-    its two workers from the server and the weight-sync group (1 + 2 ranks) joins across.
+    its two workers from the server and the weight-sync group (1 + 2 ranks) joins across. The job
+    generates up to two batches ahead (rollout.max_staleness=2): requests run through the syncs
+    of the steps they wait behind, and no sample is older than its bound.
 
     The launch first loses its port: the port it chose is bound by another socket before vLLM
     binds it (what a process binding port 0 can do), and it starts again on another."""
@@ -362,8 +364,9 @@ def test_external_tp2_engine_on_another_node_syncs_over_gloo(tmp_path, tiny_mode
             "tiny_cpu_async_gloo.yaml",
             run_dir,
             tiny_model_dir,
-            "num_steps=2",
+            "num_steps=4",
             "weight_sync.verify_checksums=true",
+            "rollout.max_staleness=2",
             "rollout.num_prompts_per_step=2",
             "rollout.num_samples_per_prompt=4",
             f"engine.external_urls=[{server.url}]",
@@ -380,8 +383,12 @@ def test_external_tp2_engine_on_another_node_syncs_over_gloo(tmp_path, tiny_mode
     finally:
         server.stop()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["sync/weight_version"] for m in rows] == [1, 2]
+    assert [m["sync/weight_version"] for m in rows] == [1, 2, 3, 4]
     assert all(m["sync/verified"] == 1.0 for m in rows)
+    # Every sample of every step trained on (none lost, none beyond the bound, so none dropped).
+    assert all(m["rollout/num_samples"] == 8 for m in rows), rows
+    assert all(m["staleness/lag_max"] <= 2 for m in rows), rows
+    assert all(m.get("rollout/dropped_stale", 0) == 0 for m in rows), rows
     assert json.loads((run_dir / "summary.json").read_text())["trainer_address"] == "127.0.0.2"
     assert (
         "via 127.0.0.2:" in completed.stderr

@@ -5,6 +5,7 @@ metadata, handed to the reward function (the digit task stores `"digit"`).
 
     python -m vime.rl.data --out vime/data/digit_repeat     # rewrite the built-in task files
                                                             # (train, test, sft demonstrations)
+    python -m vime.rl.data --context-chars 300 --out DIR    # the digit task with long prompts
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,18 +108,22 @@ def load_demonstrations(path: str) -> list[PromptRecord]:
     return records
 
 
-def make_digit_repeat(num_prompts: int, seed: int) -> list[dict[str, Any]]:
-    """Prompts of the digit-repeat task (reward: `vime.rl.rewards:digit_match`)."""
+def make_digit_repeat(num_prompts: int, seed: int, context_chars: int = 0) -> list[dict[str, Any]]:
+    """Prompts of the digit-repeat task (reward: `vime.rl.rewards:digit_match`). With
+    `context_chars`, each prompt starts with its own run of that many random letters (unique per
+    prompt, so only a prompt's own samples share its prefix: a workload for the engines'
+    prefix cache and the rollout routing)."""
     rng = random.Random(seed)
     rows = []
     for index in range(num_prompts):
         digit = str(index % 10)
         distractor = rng.choice([n for n in range(10, 100) if digit not in str(n)])
         template = rng.choice(_DIGIT_TEMPLATES)
+        context = "".join(rng.choices(string.ascii_lowercase, k=context_chars))
         rows.append(
             {
                 "id": f"digit-{seed}-{index}",
-                "prompt": template.format(d=digit, x=distractor),
+                "prompt": f"{context} " * bool(context) + template.format(d=digit, x=distractor),
                 "digit": digit,
             }
         )
@@ -169,8 +175,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-train", type=int, default=500)
     parser.add_argument("--num-test", type=int, default=100)
     parser.add_argument("--num-sft", type=int, default=256)
+    parser.add_argument(
+        "--context-chars",
+        type=int,
+        default=0,
+        help="write only the digit task's train and test prompts, each led by its own run of this "
+        "many random letters (a long-prompt workload for the prefix cache)",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
+    if args.context_chars:
+        write_jsonl(make_digit_repeat(args.num_train, 0, args.context_chars), out / "train.jsonl")
+        write_jsonl(make_digit_repeat(args.num_test, 1, args.context_chars), out / "test.jsonl")
+        print(out)
+        return
     write_jsonl(make_digit_repeat(args.num_train, seed=0), out / "train.jsonl")
     write_jsonl(make_digit_repeat(args.num_test, seed=1), out / "test.jsonl")
     write_jsonl(digit_repeat_demonstrations(args.num_sft, seed=2), out / "sft.jsonl")
