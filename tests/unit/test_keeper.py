@@ -126,6 +126,37 @@ def test_stop_ends_group_and_unlinks_segments(shm_path, tmp_path):
     assert not os.path.exists(os.path.dirname(_temp_dir(tmp_path / "log")))
 
 
+SEMAPHORE_SERVER = """
+import multiprocessing, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stuck: only SIGKILL ends it (and its tracker)
+lock = multiprocessing.get_context("spawn").Lock()  # named, linked until its owner cleans up
+print("semaphore", lock._semlock.name, flush=True)
+time.sleep(300)
+"""
+
+
+def test_stop_unlinks_a_named_semaphore_whose_owner_and_tracker_are_sigkilled(tmp_path):
+    """A Python named semaphore (what vLLM's processes make: /dev/shm/sem.mp-*) is mapped under
+    the temporary name it was created with, now deleted; the keeper finds the file it became by
+    inode. Its owner ignores SIGTERM, so the owner and multiprocessing's resource tracker (which
+    would unlink it once the owner is gone) are both SIGKILLed after the grace."""
+    log_path = tmp_path / "log"
+    with open(log_path, "wb") as log:
+        keeper = spawn_kept([sys.executable, "-c", SEMAPHORE_SERVER], log_file=log, grace_s=1)
+    server = ServerProcess(process=keeper, url="http://unused", log_path=log_path)
+    try:
+        _wait(lambda: "semaphore" in log_path.read_text(), 30)
+        name = log_path.read_text().split("semaphore", 1)[1].split()[0]
+        path = f"/dev/shm/sem.{name.lstrip('/')}"
+        assert os.path.exists(path)
+        assert path in mapped_shm_files(group_members(keeper.pid))
+        _wait(lambda: f"'{path}'" in log_path.read_text(), 30)  # noted by the keeper
+    finally:
+        server.stop(grace_s=1)
+    assert group_members(keeper.pid) == []
+    assert not os.path.exists(path)
+
+
 def test_keeper_sigkill_takes_the_server_with_it(shm_path, tmp_path):
     keeper, server = _fake_server(shm_path, tmp_path)
     _started(keeper.pid, shm_path, tmp_path / "log")

@@ -29,9 +29,14 @@ def group_members(pgid: int) -> list[int]:
 
 
 def mapped_shm_files(pids: list[int], shm_dir: str = SHM_DIR) -> set[str]:
-    """Paths under shm_dir that these processes map and that still exist (linked)."""
+    """Paths under shm_dir of the files these processes map, found by inode: a mapping's path can
+    be a deleted name of a file that is still linked under another. glibc's sem_open (Python's
+    named semaphores, `sem.mp-*`) creates a semaphore under a temporary name, maps it, links it to
+    its real name and unlinks the temporary one, so /proc/PID/maps shows "sem.XXXXXX (deleted)"
+    for a file that lives on as sem.mp-...; a mapped inode cannot be reused, so the match is
+    exact."""
     prefix = shm_dir.rstrip("/") + "/"
-    paths: set[str] = set()
+    inodes: set[int] = set()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as maps:
@@ -40,8 +45,18 @@ def mapped_shm_files(pids: list[int], shm_dir: str = SHM_DIR) -> set[str]:
             continue
         for line in lines:
             parts = line.split(maxsplit=5)
-            if len(parts) == 6 and parts[5].startswith(prefix) and "(deleted)" not in parts[5]:
-                paths.add(parts[5])
+            if len(parts) == 6 and parts[5].startswith(prefix):
+                inodes.add(int(parts[4]))
+    if not inodes:
+        return set()
+    paths: set[str] = set()
+    with os.scandir(shm_dir) as entries:
+        for entry in entries:
+            try:
+                if entry.inode() in inodes and entry.is_file(follow_symlinks=False):
+                    paths.add(entry.path)
+            except OSError:
+                continue
     return paths
 
 
