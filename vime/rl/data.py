@@ -120,10 +120,11 @@ def make_digit_repeat(num_prompts: int, seed: int, context_chars: int = 0) -> li
         distractor = rng.choice([n for n in range(10, 100) if digit not in str(n)])
         template = rng.choice(_DIGIT_TEMPLATES)
         context = "".join(rng.choices(string.ascii_lowercase, k=context_chars))
+        prefix = f"{context} " if context else ""
         rows.append(
             {
                 "id": f"digit-{seed}-{index}",
-                "prompt": f"{context} " * bool(context) + template.format(d=digit, x=distractor),
+                "prompt": prefix + template.format(d=digit, x=distractor),
                 "digit": digit,
             }
         )
@@ -184,13 +185,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     out = Path(args.out)
+    write_jsonl(make_digit_repeat(args.num_train, 0, args.context_chars), out / "train.jsonl")
+    write_jsonl(make_digit_repeat(args.num_test, 1, args.context_chars), out / "test.jsonl")
     if args.context_chars:
-        write_jsonl(make_digit_repeat(args.num_train, 0, args.context_chars), out / "train.jsonl")
-        write_jsonl(make_digit_repeat(args.num_test, 1, args.context_chars), out / "test.jsonl")
         print(out)
         return
-    write_jsonl(make_digit_repeat(args.num_train, seed=0), out / "train.jsonl")
-    write_jsonl(make_digit_repeat(args.num_test, seed=1), out / "test.jsonl")
     write_jsonl(digit_repeat_demonstrations(args.num_sft, seed=2), out / "sft.jsonl")
     train, test = make_addition(20, seed=0)
     addition = out.parent / "add_small"

@@ -60,19 +60,20 @@ def free_ports(
     LISTEN_PORTS outside the kernel's ephemeral range, else (no such port) any the kernel gives.
     All are held bound until all are chosen, so no two are the same. Free when this returns."""
     if port_range is not None:
-        low, high = port_range
-        candidates = list(range(low, high + 1))
+        candidates = list(range(port_range[0], port_range[1] + 1))
         fallback: list[int] = []
+        searched = f"{port_range[0]}-{port_range[1]}"
     else:
         candidates, fallback = _listen_candidates(), [0]
+        searched = f"{LISTEN_PORTS[0]}-{LISTEN_PORTS[1]} nor any the kernel gives"
     with contextlib.ExitStack() as stack:
         ports = []
         for _ in range(count):
             port = _bind_free(address, candidates, stack) or _bind_free(address, fallback, stack)
             if port is None:
                 raise RuntimeError(
-                    f"no free port at {address} in {low}-{high}: widen the range or stop what "
-                    "holds those ports"
+                    f"no free port at {address} in {searched}: widen the range or stop what "
+                    f"holds those ports (or is {address} an address of this host?)"
                 )
             ports.append(port)
         return ports
