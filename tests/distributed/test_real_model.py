@@ -9,6 +9,10 @@ sender). After every sync each served tensor's digest must equal the trainer's (
 after the last, the engine's greedy output must equal what the same engine generates after
 loading those weights from a checkpoint directory (vLLM's own load path, as a fresh engine).
 
+The same job then syncs with `weight_sync.shadow` (the engines load beside the served weights
+and swap at the commit): full and delta over shm, a failed sync, and gloo; the same checks,
+plus what the engine serves while the update sits loaded beside its weights.
+
     pytest -m distributed tests/distributed/test_real_model.py
 """
 
@@ -74,6 +78,13 @@ def bf16_run(engines, model_dir, tmp_path_factory):
             _step(kind, url, base + 1, delta=True, changed_fraction=SPARSE),
         ]
     steps.append(_step("gloo", g, 90))  # no delta: a dense sync
+    steps += [  # weight_sync.shadow, from step SHADOW on
+        _step("shm", s, 95, delta=True, shadow=True),
+        _step("shm", s, 96, delta=True, shadow=True, changed_fraction=SPARSE, probe_staged=True),
+        _step("shm", s, 97, shadow=True, fail_in_send=True),
+        _step("shm", s, 97, shadow=True),
+        _step("gloo", g, 98, shadow=True),
+    ]
     job = SyncJob(model_dir=model_dir, dtype="bfloat16", pp=2, steps=tuple(steps))
     return run_sync_job(job, 2, tmp_path_factory.mktemp("bf16"), timeout_s=1200)
 
@@ -98,11 +109,14 @@ def _assert_served(record: dict, weights: dict) -> None:
     assert record["report"].verified
 
 
+SHADOW = 9  # bf16_run's first step with weight_sync.shadow
+
+
 def test_every_kind_syncs_the_real_model_exactly_at_pp2_with_real_deltas(bf16_run):
     records, exported = bf16_run
-    for record, weights in zip(records, exported, strict=True):
+    for record, weights in zip(records[:SHADOW], exported, strict=False):
         _assert_served(record, weights)
-    reports = [record["report"] for record in records]
+    reports = [record["report"] for record in records[:SHADOW]]
     # Each kind: a full sync, then a delta that really is one (never a full sync in disguise,
     # never a delta repaired in full), a few percent of the bytes.
     assert [r.delta for r in reports[:8]] == ["full", "delta"] * 4
@@ -125,25 +139,59 @@ def test_fp32_trainer_into_the_bf16_engine_is_cast_at_the_sender(fp32_run):
     assert [r["report"].delta for r in records] == ["full", "delta"]
 
 
-def test_synced_engine_generates_like_one_loaded_from_the_same_weights(
-    bf16_run, engines, model_dir, tmp_path
-):
-    """The dense sync's weights (step 8), written as a checkpoint and loaded by the same engine
-    through vLLM's checkpoint loader: greedy output token for token as after the sync."""
+def test_shadow_syncs_swap_in_exactly_and_leave_the_served_weights_alone_until_then(bf16_run):
+    """weight_sync.shadow on the real model (tied embeddings: the head's kernel is rebuilt from
+    the new embedding): every sync serves exactly what was sent; while a loaded update waits for
+    its swap the engine is not paused and serves the previous weights, bit for bit; a sync that
+    fails after the engine loaded part of it beside its weights leaves the previous ones served
+    and the next sync works."""
     records, exported = bf16_run
-    (after_sync,) = records[8]["engines"]
+    full, delta, failed, after_failure, gloo = records[SHADOW:]
+    for index in (SHADOW, SHADOW + 1, SHADOW + 3, SHADOW + 4):
+        _assert_served(records[index], exported[index])
+    assert [full["report"].delta, delta["report"].delta] == ["full", "delta"]
+    assert not delta["report"].repaired
+    for record in (full, delta, after_failure, gloo):
+        assert "stage" in record["report"].seconds  # the engines loaded before the pause
+    # Before the swap: the update is loaded beside the served weights (step SHADOW's).
+    staged = delta["staged"]
+    assert staged["weight_version"] == "95" and staged["is_paused"] is False
+    assert served_differences(staged, exported[SHADOW]) == []
+    assert staged["greedy"] == full["engines"][0]["greedy"]
+    # The failed sync: the engine kept serving step SHADOW + 1's weights, unpaused.
+    assert failed["error_phase"] == "send", failed.get("error")
+    (engine,) = failed["engines"]
+    assert engine["weight_version"] == "96" and engine["is_paused"] is False
+    assert served_differences(engine, exported[SHADOW + 1]) == []
+    assert engine["greedy"] == delta["engines"][0]["greedy"]
+
+
+@pytest.mark.parametrize("index", [8, SHADOW + 4], ids=["dense", "shadow"])
+def test_synced_engine_generates_like_one_loaded_from_the_same_weights(
+    bf16_run, engines, model_dir, tmp_path, index
+):
+    """A dense sync's weights (step 8; the shadow sync of the last step), written as a
+    checkpoint and loaded by the same engine through vLLM's checkpoint loader (the tied head's
+    kernel rebuilt from the loaded embedding, as a fresh engine builds it): greedy output token
+    for token as after the sync."""
+    records, exported = bf16_run
+    (after_sync,) = records[index]["engines"]
     checkpoint = tmp_path / "synced"
     checkpoint.mkdir()
     for name in Path(model_dir).iterdir():
         if name.name != "model.safetensors":
             shutil.copy(name, checkpoint / name.name)
     save_file(
-        {n: t.contiguous() for n, t in exported[8].items()}, str(checkpoint / "model.safetensors")
+        {n: t.contiguous() for n, t in exported[index].items()},
+        str(checkpoint / "model.safetensors"),
     )
     engine = engines["G"]
     engine.collective_rpc(
         "reload_weights", kwargs={"weights_path": str(checkpoint), "is_checkpoint_format": True}
     )
+    # vLLM's reload leaves the tied head's CPU kernel packed from the previous embedding; a
+    # fresh engine packs it from the loaded one.
+    assert engine.collective_rpc("vime_rebuild_tied_kernels") == [{"rebuilt": 1}]
     assert completions_greedy(engine.url, PROMPT_IDS) == after_sync["greedy"]
 
 

@@ -130,6 +130,11 @@ def tp2_run(servers, model_dir, tmp_path_factory):
         SyncStep("nccl", a, version=15, delta=True, changed_fraction=0.01),
         SyncStep("ipc", b, version=14, delta=True),
         SyncStep("ipc", b, version=15, delta=True, changed_fraction=0.01),
+        # weight_sync.shadow (loaded beside the served weights, swapped at the commit), with
+        # the q/k/v biases vLLM never puts on meta: gloo, then shm full and delta.
+        SyncStep("gloo", a, version=16, shadow=True),
+        SyncStep("shm", b, version=16, shadow=True, delta=True),
+        SyncStep("shm", b, version=17, shadow=True, delta=True, changed_fraction=0.01),
     )
     job = SyncJob(model_dir=model_dir, tp=2, steps=steps)
     return run_sync_job(job, 2, tmp_path_factory.mktemp("tp2"))
@@ -321,7 +326,7 @@ def test_a_live_engine_copies_its_weights_to_a_joiner_exactly(servers, model_dir
     ("run", "step_indices"),
     [
         ("tp1_run", (0, 1, 4, 5, 7, 9, 11, *range(12, 20))),
-        ("tp2_run", tuple(range(11))),
+        ("tp2_run", tuple(range(14))),
         ("pp2_run", (0, 1, 2, 4, 5, 6, 7)),
     ],
     ids=["tp1pp1", "tp2pp1", "tp1pp2"],
@@ -346,6 +351,9 @@ def test_sync_serves_exact_trainer_weights(
             records[i]["report"].num_bytes < 0.1 * records[3]["report"].num_bytes
             for i in (4, 6, 8, 10)
         )
+        shadow = [records[i]["report"] for i in (11, 12, 13)]
+        assert all("stage" in report.seconds for report in shadow)  # loaded before the pause
+        assert [report.delta for report in shadow] == [None, "full", "delta"]
     if run == "pp2_run":  # a delta over per-stage NCCL groups: both stages send only changes
         assert [records[i]["report"].delta for i in (6, 7)] == ["full", "delta"]
         assert records[7]["report"].num_bytes < 0.1 * records[6]["report"].num_bytes

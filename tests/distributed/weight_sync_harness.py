@@ -53,6 +53,10 @@ class SyncStep:
     # The last stage's model gets a parameter no converter maps, for this step only.
     extra_param: bool = False
     delta: bool = False  # weight_sync.transport.delta
+    shadow: bool = False  # weight_sync.shadow: the engines load beside the served weights
+    # With shadow: once the engine has the update loaded beside its served weights, before the
+    # swap, rank 0 records what it serves then (record["staged"]: greedy output, digests).
+    probe_staged: bool = False
     changed_fraction: float = 1.0  # of every parameter's elements the step's SGD changes
     reconnect: bool = False  # the updater reconnects first (as after an engine restart)
     reset_delta: bool = False  # a full sync over the same transport (more buckets than a delta)
@@ -227,7 +231,15 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
             perturb(model, topology, optimizer, index, step.changed_fraction)
         engine_config = EngineConfig(model_path=model_dir, request_timeout_s=60, auth_token=TOKEN)
         dtype = step.model_dtype or job.dtype
-        key = (step.transport, step.engine_urls, step.clear_cache, model_dir, dtype, step.delta)
+        key = (
+            step.transport,
+            step.engine_urls,
+            step.clear_cache,
+            model_dir,
+            dtype,
+            step.delta,
+            step.shadow,
+        )
         extra = None
         if step.extra_param and topology.pp_rank == topology.pp_size - 1:
             extra = model.decoder.layers[-1].mlp
@@ -246,6 +258,7 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
                 },
                 update_weight_buffer_size=step.bucket_bytes,
                 clear_cache_on_pause=step.clear_cache,
+                shadow=step.shadow,
                 verify_checksums=True,
                 barrier_timeout_s=60,
                 transfer_timeout_s=60,
@@ -282,6 +295,8 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
         last_sender = updater.is_sender and topology.pp_rank == topology.pp_size - 1
         if (step.fail_in_send or step.kill_in_send) and last_sender:
             _break_after_first_bucket(updater, kill=step.kill_in_send)
+        if rank == 0 and step.probe_staged:
+            _probe_when_staged(record)
         inflight = None
         if rank == 0 and step.inflight:
             inflight = _start_frozen_request(VLLMEngine(engine_config, url=step.engine_urls[0]))
@@ -338,6 +353,27 @@ def _break_after_first_bucket(updater, kill: bool = False) -> None:
             transport.send_buckets = original
 
     transport.send_buckets = send_buckets
+
+
+def _probe_when_staged(record: dict) -> None:
+    """For the next sync only: once an engine reports its update ready beside the served
+    weights (the session's `wait_staged`), record what it serves before the swap."""
+    from vime.weight_sync import session
+
+    original = session.wait_staged
+
+    def wait_then_probe(engine, timeout_s: float) -> None:
+        session.wait_staged = original
+        original(engine, timeout_s)
+        record["staged"] = {
+            "metadata": engine.collective_rpc("vime_weight_metadata"),
+            "checksums": engine.collective_rpc("vime_weight_checksums"),
+            "greedy": completions_greedy(engine.url, PROMPT_IDS),
+            "weight_version": engine.get_weight_version(),
+            "is_paused": engine.is_paused(),
+        }
+
+    session.wait_staged = wait_then_probe
 
 
 def _record_engines(rank: int, record: dict, engines, out_dir: Path, index: int) -> None:

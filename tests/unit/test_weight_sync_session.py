@@ -283,3 +283,67 @@ def test_engine_device_ids_become_each_engines_devices():
     for bad in (["0,1"], ["0", "1"]):
         with pytest.raises(ValueError, match="device_ids"):
             EngineConfig(model_path="/m", num_engines=2, tensor_parallel_size=2, device_ids=bad)
+
+
+class ShadowEngine(FakeEngine):
+    """An engine loading beside its served weights: its workers answer vime_shadow_ready
+    "not yet" `polls` times, then ready (or `error`)."""
+
+    def __init__(self, log, name, polls=2, error=None):
+        super().__init__(log, name)
+        self.polls, self.error = polls, error
+
+    def collective_rpc(self, method, args=None, kwargs=None, timeout_s=None):
+        if method == "vime_end_open_update":
+            self._call("drop")
+            return [{"ended": True}]
+        assert method == "vime_shadow_ready" and float(kwargs["wait_s"]) < 1
+        self._call("ready?")
+        if self.error is not None:
+            return [{"ready": False, "error": self.error}]
+        self.polls -= 1
+        return [{"ready": self.polls < 0, "error": None}]
+
+
+def test_shadow_session_loads_before_the_pause_which_covers_only_the_swap(group):
+    log: list = []
+    engines = [ShadowEngine(log, "e0"), ShadowEngine(log, "e1", polls=0)]
+    report = run_sync_session(
+        engines=engines,
+        group=group,
+        weight_version=4,
+        pp_size=1,
+        stage_part=lambda stage: lambda: log.append(("trainer", "send")),
+        shadow=True,
+    )
+    e0 = [entry[1] for entry in log if entry[0] in ("e0", "trainer")]
+    # Decoding goes on through start, send and the load; the keep pause brackets the swap.
+    assert e0 == ["start", "send", "ready?", "ready?", "ready?", "pause", "flush", "finish"] + [
+        "resume"
+    ]
+    assert ("e1", "finish", "4") in log
+    assert set(report.seconds) >= {"start", "send", "stage", "pause", "finish", "resume"}
+    swap = sum(report.seconds[k] for k in ("pause", "flush", "finish", "resume"))
+    assert report.paused_s <= swap + 0.05 < report.total_s + 0.05
+
+
+def test_a_failed_shadow_load_is_never_swapped_in_nor_paused(group):
+    log: list = []
+    engines = [ShadowEngine(log, "e0"), ShadowEngine(log, "e1", error="RuntimeError: no memory")]
+    with pytest.raises(WeightSyncError) as info:
+        run_sync_session(
+            engines=engines,
+            group=group,
+            weight_version=5,
+            pp_size=1,
+            stage_part=lambda stage: None,
+            shadow=True,
+        )
+    assert info.value.phase == "stage"
+    assert "engine 1" in str(info.value) and "no memory" in str(info.value)
+    for name in ("e0", "e1"):
+        calls = [entry[1:] for entry in log if entry[0] == name]
+        assert ("pause", "keep", False) not in calls  # never paused for a swap that cannot be
+        # Dropped, never finished (a finish would swap in what had loaded): nothing swapped in,
+        # the engines serve their version under its label.
+        assert ("drop",) in calls and not any(call[0] == "finish" for call in calls)

@@ -11,8 +11,10 @@ speed: raise `max_tokens`).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import math
 import threading
+import time
 
 from vime.engines.generate_api import GenerationResult, SamplingConfig
 from vime.engines.generation import GenerationClient
@@ -29,6 +31,7 @@ class StreamProbe:
         self.switched = threading.Event()  # a token of `version` arrived, or the request ended
         self.result: GenerationResult | None = None
         self.error: BaseException | None = None
+        self.sync_began: float | None = None  # mark_sync's clock (time.monotonic)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Future | None = None
         sampling = SamplingConfig(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -67,6 +70,30 @@ class StreamProbe:
     def wait_streaming(self, timeout_s: float = 120) -> None:
         if not self.streaming.wait(timeout_s):
             raise TimeoutError(f"the probe request produced no token in {timeout_s:g} s")
+
+    def mark_sync(self) -> None:
+        """The sync starts now: `longest_gap_s` looks at the stream from here on."""
+        self.sync_began = time.monotonic()
+
+    def longest_gap_s(self) -> float:
+        """After `stall_s`: the longest gap between two chunks of the stream from `mark_sync` to
+        the first chunk of the new version: the switch's gap, or a slower stretch while the
+        engine loaded beside its served weights (NaN before the switch was seen)."""
+        from vime.engines.generate_api import expand_weight_versions
+
+        result = self.result
+        if result is None or self.sync_began is None or not result.chunk_times:
+            return math.nan
+        versions = result.weight_versions or expand_weight_versions(
+            result.version_spans, len(result.token_ids)
+        )
+        if self.version not in versions:
+            return math.nan
+        switched = bisect.bisect_left(result.chunk_ends, versions.index(self.version) + 1)
+        times = result.chunk_times
+        first = max(bisect.bisect_left(times, self.sync_began) - 1, 0)
+        window = times[first : switched + 1]
+        return max((b - a for a, b in zip(window, window[1:], strict=False)), default=math.nan)
 
     def stall_s(self, timeout_s: float = 120) -> float:
         """Once the sync is done: wait for a token of the new version, stop the request, and

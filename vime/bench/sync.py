@@ -15,7 +15,9 @@ trainer rank(s), and then measures, for the same bytes:
 - disk:    pause, save safetensors, vLLM `reload_weights` from that directory, resume;
 - control: a session that moves no bytes: every HTTP round trip and barrier of one sync.
 Through each timed sync of shm, gloo and naive a greedy request streams (`--probe-tokens`): its
-gap at the version switch is the sync's stall as a client sees it (`vime.bench.stall`).
+gap at the version switch is the sync's stall as a client sees it (`vime.bench.stall`). With
+`--shadow on|both`, rows TRANSPORT+shadow sync with weight_sync.shadow (load beside the served
+weights; both: on the same engine after the plain rows).
 
 Prints a table (seconds per phase of the median sync) and writes every figure, iteration by
 iteration, to `--out`/bench_sync.json. Each iteration flips the sign of every weight first, so
@@ -25,35 +27,29 @@ every sync moves new bytes.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
-import platform
 import sys
-from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from vime.bench.sizes import fit_sizes, format_sizes, plot_sizes
 from vime.bench.sync_methods import bench_control, bench_disk, bench_updater, memcpy_floor
+from vime.bench.sync_report import report
 from vime.bench.sync_results import (
     BENCH_TRANSPORTS,
+    SHADOW_MODES,
     DtypeResult,
     Measurement,
-    format_table,
-    summarize,
 )
 from vime.bench.sync_setup import (
     Trainer,
     all_cores,
     build_bench_model,
     build_trainer,
-    engine_cpu_binding,
     pin_trainer,
     running_engine,
     unpin,
@@ -98,22 +94,23 @@ def bench_dtype(
         with running_engine(args, model_dir, dtype, transport) as engine:
             pin_trainer()
             startup[transport] = engine.startup_s or 0.0
-            updater = trainer.updater(transport, engine, bucket_bytes, version)
-            measurements.append(
-                bench_updater(
-                    transport,
-                    trainer,
-                    updater,
-                    engine,
-                    dtype=dtype,
-                    num_bytes=num_bytes,
-                    iterations=args.iterations,
-                    warmup=args.warmup,
-                    probe_tokens=args.probe_tokens,
+            for shadow in SHADOW_MODES[args.shadow]:
+                updater = trainer.updater(transport, engine, bucket_bytes, version, shadow=shadow)
+                measurements.append(
+                    bench_updater(
+                        f"{transport}+shadow" if shadow else transport,
+                        trainer,
+                        updater,
+                        engine,
+                        dtype=dtype,
+                        num_bytes=num_bytes,
+                        iterations=args.iterations,
+                        warmup=args.warmup,
+                        probe_tokens=args.probe_tokens,
+                    )
                 )
-            )
-            version = updater.weight_version
-            updater.close()
+                version = updater.weight_version
+                updater.close()
             if position == 0:  # the baselines run on the first engine
                 version, baselines = bench_baselines(
                     args, trainer, engine, transport, dtype, num_bytes, version
@@ -236,6 +233,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the version switch is the stall a client sees (0: no probe; keep it under the "
         "engine's max_model_len, 512 for the engines this command starts)",
     )
+    parser.add_argument(
+        "--shadow",
+        choices=sorted(SHADOW_MODES),
+        default="off",
+        help="weight_sync.shadow per transport: off, on (rows TRANSPORT+shadow), or both",
+    )
     parser.add_argument("--bucket-mib", type=int, default=512, help="bucket cap in MiB")
     parser.add_argument("--tp", type=int, default=1, help="trainer tensor-parallel size")
     parser.add_argument(
@@ -345,53 +348,6 @@ def main(argv: list[str] | None = None) -> list[DtypeResult]:
         return results
     finally:
         dist.destroy_process_group()
-
-
-def report(args: argparse.Namespace, argv: list[str], results: list[DtypeResult]) -> None:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    machine = {
-        "cpus": os.cpu_count(),
-        "affinity": len(os.sched_getaffinity(0)),
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-    }
-    document = {
-        "command": "vime bench-sync " + " ".join(argv),
-        "machine": machine,
-        "preset": args.preset,
-        "bucket_mib": args.bucket_mib,
-        "tp": args.tp,
-        "engine_tp": args.engine_tp,
-        "engine_cpu_binding": engine_cpu_binding(args.engine_tp),
-        "results": [
-            {
-                **asdict(r),
-                "means": {m.method: m.mean() for m in r.measurements},
-                "medians": {m.method: m.typical() for m in r.measurements},
-            }
-            for r in results
-        ],
-        "summary": summarize(results),
-    }
-    fits = fit_sizes(results) if args.sizes else []
-    if fits:
-        document["size_fits"] = [fit.as_dict() for fit in fits]
-    path = out / "bench_sync.json"
-    path.write_text(json.dumps(document, indent=2))
-    model_gb = ", ".join(f"{r.preset} {r.dtype} {r.num_bytes / 1e9:.2f} GB" for r in results)
-    print(
-        f"\nvime bench-sync: {model_gb}; trainer TP {args.tp}, engine TP "
-        f"{args.engine_tp}, seconds, the median of "
-        f"{args.iterations} syncs after {args.warmup} warm-up ones"
-    )
-    print(format_table(results))
-    print("\n".join(["", *document["summary"], f"figures: {path}"]))
-    if fits:
-        print("\n" + format_sizes(results, fits))
-        plot = plot_sizes(fits, out / "bench_sync_sizes.png", "vime bench-sync: seconds vs bytes")
-        print(f"plot: {plot} ({len(args.sizes)} sizes)")
 
 
 if __name__ == "__main__":

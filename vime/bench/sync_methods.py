@@ -50,13 +50,16 @@ def sync_phases(report: Any, engine_stats: dict[str, float]) -> dict[str, float]
         "convert": send.get("convert", 0.0),
         "pack": send.get("pack", 0.0),
         "wait": send.get("transfer", 0.0),
+        "stage": report.seconds.get("stage", 0.0),
         "finish": report.seconds.get("finish", 0.0),
         "resume": report.seconds.get("resume", 0.0),
     }
     row["other"] = max(0.0, report.total_s - sum(row.values()))
     row["total"] = report.total_s
     row["engine_receive"] = float(engine_stats.get("receive", 0.0))
-    row["engine_load"] = float(engine_stats.get("load", 0.0))
+    # weight_sync.shadow: the load runs on the shadow's thread (its own clock), beside decoding.
+    load = engine_stats.get("load", 0.0) or engine_stats.get("shadow_load", 0.0)
+    row["engine_load"] = float(load)
     return row
 
 
@@ -109,8 +112,10 @@ def bench_updater(
             version = str(updater.weight_version + 1)
             probe = StreamProbe(engine.url, engine.auth_token, probe_tokens, version)
             probe.wait_streaming()
+            probe.mark_sync()
         report = updater.update_weights()
         stall = probe.stall_s() if probe is not None else math.nan
+        longest_gap = probe.longest_gap_s() if probe is not None else math.nan
         stats = engine.collective_rpc("vime_weight_update_stats")[0] if is_rank0 else {}
         if is_rank0:
             measurement.engine_rss_gib.append(engine_rss_gib(engine))
@@ -118,6 +123,7 @@ def bench_updater(
             row = sync_phases(report, stats)
             if is_rank0:
                 row["paused"], row["stall"] = report.paused_s, stall
+                row["longest_gap"] = longest_gap
             measurement.iterations.append(row)
             measurement.engine_stats.append(stats)
         else:
@@ -225,6 +231,7 @@ def _disk_sync(trainer: Trainer, engine: Any, ckpt_dir: Path, timer: PhaseTimer)
         with timer.phase("reload"):
             kwargs = {"weights_path": str(ckpt_dir), "is_checkpoint_format": True}
             engine.collective_rpc("reload_weights", kwargs=kwargs)
+            engine.collective_rpc("vime_rebuild_tied_kernels")  # as vime's own syncs do
         with timer.phase("resume"):
             engine.continue_generation()
     del gathered

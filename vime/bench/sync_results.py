@@ -13,6 +13,8 @@ logger = logging.getLogger("vime.bench")
 NAN = math.nan
 
 BENCH_TRANSPORTS = ("gloo", "shm")  # the CPU ones
+# --shadow: the weight_sync.shadow settings each transport runs with, in order.
+SHADOW_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
 # The columns of a sync, in order; with "other" (barriers, bookkeeping) they add up to the total
 # from pause to resume. "wait" is the trainer waiting for the bytes to move and the engines to load
 # them, beyond the packing it overlaps with.
@@ -24,6 +26,7 @@ SYNC_PHASES = (
     "convert",
     "pack",
     "wait",
+    "stage",
     "finish",
     "resume",
 )
@@ -152,6 +155,22 @@ def quartiles(values: list[float]) -> tuple[float, float]:
     return at(0.25), at(0.75)
 
 
+def shadow_line(method: str, iterations: list[dict[str, float]], typical: dict) -> str:
+    """A weight_sync.shadow row: the sync, the pause within it, what a streaming client saw."""
+
+    def middle(key: str) -> float:
+        values = [it[key] for it in iterations if not math.isnan(it.get(key, NAN))]
+        return median(values) if values else NAN
+
+    return (
+        f"{method}: sync {typical.get('total', NAN):.3f} s, of which the engines were paused "
+        f"{middle('paused'):.3f} s (the swap) while their load beside the served weights took "
+        f"{typical.get('engine_load', NAN):.3f} s; a request streaming through it stood still "
+        f"{middle('stall'):.3f} s at the switch, its longest gap during the sync "
+        f"{middle('longest_gap'):.3f} s (medians of {len(iterations)})"
+    )
+
+
 def summarize(results: list[DtypeResult]) -> list[str]:
     """The targets' ratios (shm and gloo to the memcpy floor, disk to shm), each one line."""
     lines = []
@@ -160,6 +179,9 @@ def summarize(results: list[DtypeResult]) -> list[str]:
         measured = {m.method: m.iterations for m in result.measurements}
         by_method = {method: mean.get("total", 0.0) for method, mean in means.items()}
         for method in ("shm", "gloo"):
+            shadow = f"{method}+shadow"
+            if shadow in by_method and measured[shadow]:
+                lines.append(f"{label} {shadow_line(shadow, measured[shadow], means[shadow])}")
             if method not in by_method:
                 continue
             total = by_method[method]

@@ -204,6 +204,7 @@ class Trainer:
         bucket_bytes: int,
         version: int,
         verify_checksums: bool = False,
+        shadow: bool = False,
     ) -> Any:
         """A connected WeightUpdater from this trainer into `engine` (or a list of them)."""
         from vime.config import WeightSyncConfig
@@ -213,6 +214,7 @@ class Trainer:
             transport=transport,
             update_weight_buffer_size=bucket_bytes,
             verify_checksums=verify_checksums,
+            shadow=shadow,
             transfer_timeout_s=900,
             barrier_timeout_s=900,
         )

@@ -164,6 +164,16 @@ class WeightSyncConfig(StrictModel):
             "off-policy corrections see it). 1: sync after every step."
         ),
     )
+    shadow: bool = Field(
+        False,
+        description=(
+            "Load each update beside the served weights: the engines keep decoding while their "
+            "workers load and repack the new weights into a second copy on a thread of their "
+            "own, then pause (keep) only for the swap. Costs one more copy of the weights per "
+            "engine worker until the swap (checked before each sync; refused when it does not "
+            "fit). CPU engines with enforce_eager only."
+        ),
+    )
     clear_cache_on_pause: bool = Field(
         False,
         description=(

@@ -2,7 +2,10 @@
 
 `run_sync_session` is the whole sync, top to bottom: rank 0 pauses every engine (keep) and
 flushes their prefix caches, starts the update, each pipeline stage sends in its turn, rank 0
-finishes the update with the new version and resumes the engines. Every trainer rank runs the
+finishes the update with the new version and resumes the engines. With `shadow` (engines that
+load beside the served weights, `weight_sync.shadow`) the engines keep decoding through start,
+send and their load (`stage`: rank 0 waits until every engine has the update ready), and the
+keep pause covers only the swap: pause, flush, finish, verify, resume. Every trainer rank runs the
 same lines (ranks other than 0 with no engines to call), and every step ends in a *checked
 barrier* on the gloo `group`: each rank says whether its part failed, so a failure anywhere stops
 every rank at the same point, each wait bounded by a timeout. Two context managers undo what a
@@ -155,6 +158,7 @@ def run_sync_session(
     stage_part: Callable[[int], Callable[[], None] | None],
     verify: Callable[[], None] | None = None,
     clear_cache: bool = False,
+    shadow: bool = False,
     resume_on_failure: bool = True,
     call_timeout_s: float = 600.0,
     barrier_timeout_s: float = 600.0,
@@ -171,7 +175,8 @@ def run_sync_session(
 
     On a failure every rank raises WeightSyncError naming the step (and the engine, on rank 0).
     Before that rank 0 ends an open update with version "<weight_version>-failed" (weights may
-    be partly new: sync again before trusting them) and, if `resume_on_failure`, resumes every
+    be partly new: sync again before trusting them; with `shadow` the update is dropped, nothing
+    swapped in, and the label stays) and, if `resume_on_failure`, resumes every
     engine, best effort (without it they stay paused for the caller's next sync, which resumes
     them: `resume_engines` if that cannot happen).
     """
@@ -186,14 +191,22 @@ def run_sync_session(
     def flush() -> None:
         report.prefix_cache_flushed = control.flush(clear_cache)
 
+    def send() -> None:
+        step("start", control.start)
+        for stage in range(pp_size):  # stages take turns: one engine loads one at a time
+            step("send", stage_part(stage), f"pp stage {stage}")
+
     paused_at = time.monotonic()
     with control.paused(resume_on_failure):
-        step("pause", lambda: control.pause(clear_cache))
-        step("flush", flush)
-        with control.updating(weight_version):
-            step("start", control.start)
-            for stage in range(pp_size):  # stages take turns: one engine loads one at a time
-                step("send", stage_part(stage), f"pp stage {stage}")
+        with control.updating(weight_version, shadow):
+            if shadow:  # the engines decode on while they receive and load
+                send()
+                step("stage", control.wait_staged)
+                paused_at = time.monotonic()
+            step("pause", lambda: control.pause(clear_cache))
+            step("flush", flush)
+            if not shadow:
+                send()
             step("finish", lambda: control.finish(str(weight_version)))
         if verify is not None:
             step("verify", verify)
@@ -217,6 +230,28 @@ def run_sync_session(
         ", ".join(f"{k} {v:.3f}" for k, v in report.seconds.items()),
     )
     return report
+
+
+# Each poll may hold the engine's busy loop this long (it serves RPCs between steps).
+STAGE_POLL_WAIT_S = 0.01
+STAGE_POLL_INTERVAL_S = 0.02
+
+
+def wait_staged(engine: Any, timeout_s: float) -> None:
+    """Poll `engine` until each of its workers has its shadow load ready (`vime_shadow_ready`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        workers = engine.collective_rpc(
+            "vime_shadow_ready", kwargs={"wait_s": str(STAGE_POLL_WAIT_S)}, timeout_s=timeout_s
+        )
+        errors = [w["error"] for w in workers if isinstance(w, dict) and w.get("error")]
+        if errors:
+            raise RuntimeError("loading beside the served weights failed: " + "; ".join(errors))
+        if workers and all(isinstance(w, dict) and w.get("ready") for w in workers):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the engine's workers were not ready in {timeout_s:g} s: {workers}")
+        time.sleep(STAGE_POLL_INTERVAL_S)
 
 
 def resume_engines(engines: Sequence[Engine], group: Any, timeout_s: float) -> None:
@@ -301,6 +336,11 @@ class _Control:
     def start(self) -> None:
         self._all("start", lambda e: e.start_weight_update())
 
+    def wait_staged(self) -> None:
+        """Until every worker of every engine has the update loaded beside its served weights
+        (`weight_sync.shadow`); raises naming the engine whose load failed."""
+        self._all("stage", lambda e: wait_staged(e, self.timeout_s))
+
     def finish(self, version: str) -> None:
         self._all("finish", lambda e: e.finish_weight_update(version))
 
@@ -318,15 +358,24 @@ class _Control:
             raise
 
     @contextmanager
-    def updating(self, weight_version: int) -> Iterator[None]:
-        """End the update with version "<weight_version>-failed" if the block fails after start."""
+    def updating(self, weight_version: int, shadow: bool = False) -> Iterator[None]:
+        """End the update with version "<weight_version>-failed" if the block fails after start
+        (weights may be partly new). A shadow update is dropped instead (`vime_end_open_update`:
+        a finish would swap in what had loaded): its engines keep serving their version, and
+        keep its label."""
         try:
             yield
         except BaseException:
             # Also after a failed start or finish: they may have reached some engines.
-            failed = f"{weight_version}-failed"
-            self._best_effort("finish", lambda: self.finish(failed), "update left open")
+            if shadow:
+                self._best_effort("finish", self.drop_open_update, "update left open")
+            else:
+                failed = f"{weight_version}-failed"
+                self._best_effort("finish", lambda: self.finish(failed), "update left open")
             raise
+
+    def drop_open_update(self) -> None:
+        self._all("finish", lambda e: e.collective_rpc("vime_end_open_update"))
 
     def _best_effort(self, what: str, call: Callable[[], None], consequence: str) -> None:
         if not self.engines:

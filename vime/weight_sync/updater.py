@@ -156,7 +156,7 @@ class WeightUpdater:
             device_id=self.device_id,
             spread=spread,
         )
-        return make_transport(self.config.transport, place)
+        return make_transport(self.config.transport, place, shadow=self.config.shadow)
 
     # ---- setup ------------------------------------------------------------------------------
 
@@ -327,6 +327,7 @@ class WeightUpdater:
                 stage_part=send.part,
                 verify=verify,
                 clear_cache=self.config.clear_cache_on_pause,
+                shadow=self.config.shadow,
                 call_timeout_s=self.config.transfer_timeout_s,
                 barrier_timeout_s=self.config.barrier_timeout_s,
                 resume_on_failure=mode != "delta",

@@ -28,7 +28,9 @@ vLLM's own NCCL and IPC engines. On CPU a bucket's load runs on every core the s
 worker holds, to check before sending), `vime_weight_checksums` (XXH3-128 of each worker's part of
 every HF-named tensor, to check after), `vime_device_id` (the device a
 colocated worker reads its buffers on) and
-`vime_weight_update_stats` (where the last update's time went on the worker) and
+`vime_weight_update_stats` (where the last update's time went on the worker),
+`vime_shadow_ready` (whether an update loading beside the served weights is ready to swap),
+`vime_rebuild_tied_kernels` (after vLLM's own reload_weights: a tied head's CPU kernel) and
 `vime_end_open_update` (ends an update a trainer that died mid-sync left open), and
 `vime_peer_copy_source` / `vime_peer_copy_send` / `vime_peer_copy_receive` (a live engine
 copies its weights to a joining one, `vime.weight_sync.engine.peer_copy`).
@@ -86,13 +88,39 @@ class VimeWorkerExtension:
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "stats", {}))
 
+    def vime_shadow_ready(self, wait_s: str = "0") -> dict[str, Any]:
+        """With weight_sync.shadow: no more buckets for the open update; {"ready": its load
+        beside the served weights is done, "error": why it failed, or None}, after waiting up
+        to `wait_s` seconds (a string: /collective_rpc passes strings)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None or not hasattr(engine, "shadow_status"):
+            return {"ready": False, "error": "this engine has no vime weight-transfer backend"}
+        return engine.shadow_status(float(wait_s))
+
+    def vime_rebuild_tied_kernels(self) -> dict[str, int]:
+        """After vLLM's own `reload_weights` on CPU: rebuild the kernel of a head tied to the
+        embedding, which that reload leaves packed from the old embedding (vime's updates do
+        it themselves, `engine.base.refresh_tied_kernels`). {"rebuilt": how many}."""
+        import torch
+
+        from vime.weight_sync.engine.base import refresh_tied_kernels
+
+        if torch.accelerator.is_available():
+            return {"rebuilt": 0}
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return {"rebuilt": refresh_tied_kernels(model)}
+
     def vime_end_open_update(self) -> dict[str, bool]:
         """End a weight update left open (its trainer died between start and finish): vLLM
         refuses a new start while one is open. Layers that got no weights keep their previous
-        tensors; the engine's weight version label is unchanged. {"ended": whether one was
-        open} (a dict: /collective_rpc turns a bare bool into the string "False")."""
+        tensors (with weight_sync.shadow none is swapped in: the copy is dropped); the engine's
+        weight version label is unchanged. {"ended": whether one was open} (a dict:
+        /collective_rpc turns a bare bool into the string "False")."""
         if not getattr(self, "_weight_update_active", False):
             return {"ended": False}
+        drop_shadow = getattr(getattr(self, "weight_transfer_engine", None), "_drop_shadow", None)
+        if drop_shadow is not None:
+            drop_shadow()
         self.finish_weight_update()  # type: ignore[attr-defined]
         return {"ended": True}
 

@@ -1,5 +1,7 @@
 """What vime's engine backends share: the worker's rank, bucket parsing, and `BucketEngine`,
-vLLM's layerwise reload around an update with every bucket loaded from views of its bytes.
+vLLM's layerwise reload around an update with every bucket loaded from views of its bytes (or,
+with `weight_sync.shadow`, a load beside the served weights swapped in at the finish:
+`engine.shadow`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from vime.weight_sync.buckets import Bucket
 from vime.weight_sync.delta import Baseline
 from vime.weight_sync.engine.moe import expert_prefixes, refresh_cpu_moe_prepack
 from vime.weight_sync.engine.parallel_load import CoreThreads, core_threads_from_env, split_by_layer
+from vime.weight_sync.engine.shadow import ShadowLoad
+from vime.weight_sync.engine.shadow_checks import check_can_shadow
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,31 @@ def parse_buckets(buckets: list[dict[str, Any]]) -> list[Bucket]:
     return [Bucket.from_dict(b) for b in buckets]
 
 
+def refresh_tied_kernels(model: torch.nn.Module) -> int:
+    """Rebuild the CPU kernel of every module that serves another module's parameter (a head
+    tied to the embedding); returns how many.
+
+    vLLM's CPU backend packs such a head's weight into a oneDNN kernel of its own at load time
+    (`cpu_linear`, a copy). Layerwise reload copies a new embedding into the shared parameter in
+    place but never processes the head, which loads nothing: without this its kernel would keep
+    computing logits from the embedding the engine started with.
+    """
+    owners: set[int] = set()
+    rebuilt = 0
+    for module in model.modules():
+        tied = False
+        for param in module._parameters.values():
+            if param is None:
+                continue
+            tied |= id(param) in owners
+            owners.add(id(param))
+        method = getattr(module, "quant_method", None)
+        if tied and getattr(module, "cpu_linear", None) is not None and method is not None:
+            method.process_weights_after_loading(module)
+            rebuilt += 1
+    return rebuilt
+
+
 class BucketEngine(WeightTransferEngine):
     """Shared by the vime backends: layerwise reload around an update, loading from views.
 
@@ -48,6 +77,11 @@ class BucketEngine(WeightTransferEngine):
         self.stats: dict[str, float] = {}
         self._expert_prefixes: set[str] = set()  # MoE experts modules this update loaded
         self._baseline = Baseline()  # delta syncs: the tensors of the last full sync, patched
+        # weight_sync.shadow (set at init): each update loads into a copy while the engine
+        # decodes; `_shadow` is the open one, between start and finish.
+        self.shadow_mode = False
+        self._shadow: ShadowLoad | None = None
+        self.commit_timeout_s = 600.0
 
     @property
     def baseline(self) -> Baseline:
@@ -58,11 +92,41 @@ class BucketEngine(WeightTransferEngine):
         # Made on the first load, on the thread that loads (the worker's own, pinned one).
         return core_threads_from_env()
 
+    def set_shadow_mode(self, shadow: bool, timeout_s: float) -> None:
+        """At init: whether updates load beside the served weights (refused with the reason
+        where this engine cannot: `check_can_shadow`)."""
+        if shadow:
+            check_can_shadow(self.model, self.model_config, self.device)
+        self.shadow_mode = bool(shadow)
+        self.commit_timeout_s = timeout_s
+        self._drop_shadow()
+
+    def _drop_shadow(self) -> None:
+        """Let an open shadow load go (the served weights were never touched)."""
+        if self._shadow is not None:
+            self._shadow.discard()
+            self._shadow = None
+
+    def shadow_status(self, wait_s: float) -> dict[str, Any]:
+        """The open shadow load: sealed (no more buckets), then {"ready", "error"} after
+        waiting up to `wait_s` for it to finish."""
+        if self._shadow is None:
+            error = "no weight update is loading beside the served weights"
+            return {"ready": False, "error": error}
+        self._shadow.seal(self._expert_prefixes)
+        return self._shadow.status(wait_s)
+
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         began = time.perf_counter()
-        initialize_layerwise_reload(self.model)
+        self._drop_shadow()
+        shadow_bytes = 0
+        if self.shadow_mode:
+            shadow_bytes = check_can_shadow(self.model, self.model_config, self.device)  # now
+            self._shadow = ShadowLoad(self.model, self.model_config)
+        else:
+            initialize_layerwise_reload(self.model)
         self._expert_prefixes = set()
         self._baseline.start()
         started = time.perf_counter() - began
@@ -77,17 +141,34 @@ class BucketEngine(WeightTransferEngine):
             bytes=0,
             patch=0.0,  # applying delta buckets to the baseline
             delta_buckets=0,
+            shadow_bytes=shadow_bytes,  # the copy's estimate (weight_sync.shadow)
         )
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         began = time.perf_counter()
+        if self.shadow_mode:
+            shadow, self._shadow = self._shadow, None
+            if shadow is None:
+                return  # ending an update that failed (its copy is already dropped)
+            shadow.seal(self._expert_prefixes)
+            try:
+                self.stats["swapped_modules"] = shadow.commit(self.commit_timeout_s)
+            except BaseException:
+                self._baseline.invalidate()  # patched for a version that never served
+                raise
+            finally:
+                self.stats.update({f"shadow_{k}": v for k, v in shadow.stats.items()})
+            self.stats["finish"] = time.perf_counter() - began
+            return
         finalize_layerwise_reload(self.model, self.model_config)
         if self._expert_prefixes and not torch.accelerator.is_available():
             self.stats["moe_layers_repacked"] = refresh_cpu_moe_prepack(
                 self.model, self._expert_prefixes
             )
+        if self.stats.get("buckets") and not torch.accelerator.is_available():
+            self.stats["tied_kernels_rebuilt"] = refresh_tied_kernels(self.model)
         self.stats["finish"] = time.perf_counter() - began
 
     def _count(self, phase: str, began: float) -> None:
@@ -115,6 +196,9 @@ class BucketEngine(WeightTransferEngine):
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         self._baseline.invalidate()  # what arrived of a delta may be half-applied
+        if self.shadow_mode:
+            self._drop_shadow()  # the served modules were never touched
+            return
         try:
             finalize_layerwise_reload(self.model, self.model_config)
         except Exception:  # noqa: BLE001 (the update's own error is the one to raise)
@@ -150,6 +234,11 @@ class BucketEngine(WeightTransferEngine):
 
         began = time.perf_counter()
         self._expert_prefixes |= expert_prefixes([name for name, _ in weights])
+        if self._shadow is not None:  # loads on the shadow's own thread; timed there
+            self._shadow.submit(weights)
+            self.stats["buckets"] += 1
+            self.stats["bytes"] += sum(t.nbytes for _, t in weights)
+            return
         threads = self._load_threads
         if threads is None:
             load(weights)

@@ -48,6 +48,7 @@ class BroadcastInitInfo(WeightTransferInitInfo):
     timeout_s: float = 600.0
     group_name: str = DEFAULT_GROUP_NAME
     communicator: str = "gloo"
+    shadow: bool = False  # weight_sync.shadow: load beside the served weights (engine.shadow)
 
 
 @dataclass
@@ -151,6 +152,7 @@ class BroadcastWeightTransferEngine(BucketEngine):
                 f"outside 1..{init_info.world_size - 1}; rank 0 is the trainer"
             )
         communicator_cls = communicator_class(init_info.communicator)
+        self.set_shadow_mode(init_info.shadow, init_info.timeout_s)
         device = (
             torch.device(self.device) if communicator_cls.name == "nccl" else torch.device("cpu")
         )

@@ -23,6 +23,8 @@ class ColocatedInitInfo(WeightTransferInitInfo):
     """Which handle plug-in the trainer's buffers come with: "shm" or "ipc"."""
 
     handles: str = "shm"
+    shadow: bool = False  # weight_sync.shadow: load beside the served weights (engine.shadow)
+    timeout_s: float = 600.0  # the longest a commit waits for such a load
 
 
 @dataclass
@@ -70,6 +72,7 @@ class ColocatedWeightTransferEngine(BucketEngine):
                 f"weight_sync.transport ipc sends CUDA IPC handles; this worker runs on "
                 f"{self.device}: use shm on CPU (or ipc with device: cpu)"
             )
+        self.set_shadow_mode(init_info.shadow, init_info.timeout_s)
         self._handles = handles
         self._opened.clear()
 

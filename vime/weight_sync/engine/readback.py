@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -107,7 +108,9 @@ def served_shards(
     from vime.weight_sync.engine.moe import expert_tensors, is_routed_experts
 
     packed = getattr(model, "packed_modules_mapping", {}) or {}
-    seen: set[int] = set()  # a tied lm_head shares the embedding's parameter: list it once
+    # A tied lm_head shares the embedding's parameter: listed once, under the embedding's name;
+    # read back as served, the head's own CPU kernel (a packed copy) is read too, under that name.
+    seen: dict[int, str] = {}
     for module_name, module in model.named_modules():
         leaf = module_name.rsplit(".", 1)[-1]
         parent = module_name[: -len(leaf)]
@@ -116,16 +119,22 @@ def served_shards(
         if fused_experts:
             for name, part, shape, shard in expert_tensors(module_name, module, materialize):
                 yield ServedTensor(name, part, shape, shard)
-            seen.update({id(module.w13_weight), id(module.w2_weight)})
+            seen.update({id(module.w13_weight): "", id(module.w2_weight): ""})
         for param_name, param in module.named_parameters(recurse=False):
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
             full_name = f"{module_name}.{param_name}" if module_name else param_name
             recorded = None
-            if loaded_digests and _is_repacked(module, param_name, param):
-                recorded = getattr(module, LOAD_DIGESTS, None)
-            tensor = _served_tensor(module, param_name, param, materialize and recorded is None)
+            if id(param) in seen:
+                tied_kernel = getattr(module, "cpu_linear", None) is not None and param.ndim == 2
+                if not (seen[id(param)] and tied_kernel and materialize and not loaded_digests):
+                    continue
+                full_name = seen[id(param)]  # what the head computes with, as the tied weight
+                tensor = _through_kernel(module.cpu_linear, param, *param.shape)
+            else:
+                seen[id(param)] = full_name
+                if loaded_digests and _is_repacked(module, param_name, param):
+                    recorded = getattr(module, LOAD_DIGESTS, None)
+                materialized = materialize and recorded is None
+                tensor = _served_tensor(module, param_name, param, materialized)
             if isinstance(module, VocabParallelEmbedding):
                 rows = module.shard_indices
                 shape = (module.org_vocab_size, *tensor.shape[1:])
@@ -216,6 +225,11 @@ def _served_tensor(
     cols = getattr(module, "input_size_per_partition", None) or module.input_size
     if not materialize:
         return torch.empty((rows, cols), dtype=param.dtype, device="meta")
+    return _through_kernel(cpu_linear, param, rows, cols)
+
+
+def _through_kernel(cpu_linear: Any, param: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The [rows, cols] matrix a CPU linear kernel multiplies by, read from identity rows."""
     transposed = torch.empty((cols, rows), dtype=param.dtype)
     chunk = 1024
     with torch.no_grad():
@@ -223,5 +237,5 @@ def _served_tensor(
             stop = min(start + chunk, cols)
             identity = torch.zeros((stop - start, cols), dtype=param.dtype)
             identity[torch.arange(stop - start), torch.arange(start, stop)] = 1
-            transposed[start:stop] = cpu_linear(identity, param, None)
+            transposed[start:stop] = cpu_linear(identity, param, None)[:, :rows]
     return transposed.t()

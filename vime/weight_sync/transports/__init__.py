@@ -52,8 +52,9 @@ def _rendezvous(config: BroadcastTransportConfig) -> tuple[str, int]:
     return address, free_port(address, port_range) if port_range else 0
 
 
-def make_transport(config: TransportConfig, place: SenderPlace) -> Transport:
-    """The transport `config` names, for the rank at `place` (not yet connected)."""
+def make_transport(config: TransportConfig, place: SenderPlace, shadow: bool = False) -> Transport:
+    """The transport `config` names, for the rank at `place` (not yet connected); `shadow`: the
+    engines load each update beside the served weights (`weight_sync.shadow`)."""
     if isinstance(config, BroadcastTransportConfig):
         address, port = _rendezvous(config)
         return BroadcastTransport(
@@ -64,6 +65,7 @@ def make_transport(config: TransportConfig, place: SenderPlace) -> Transport:
             master_port=port,
             group_name=stage_group_name(place.pp_rank),
             timeout_s=place.timeout_s,
+            shadow=shadow,
         )
     handles = handles_class(config.plugin)(place.device, prefix=f"vime-pp_{place.pp_rank}")
     return ColocatedTransport(
@@ -72,6 +74,7 @@ def make_transport(config: TransportConfig, place: SenderPlace) -> Transport:
         device=place.device,
         spread=place.spread,
         timeout_s=place.timeout_s,
+        shadow=shadow,
     )
 
 

@@ -99,10 +99,12 @@ class Transport(ABC):
     alignment: ClassVar[int] = ALIGNMENT
     """The bucket alignment the engine side reads; pass it to `plan_buckets`."""
 
-    def __init__(self, *, timeout_s: float = 600.0):
+    def __init__(self, *, timeout_s: float = 600.0, shadow: bool = False):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.timeout_s = timeout_s
+        # weight_sync.shadow: engines load each update beside the served weights (told at init).
+        self.shadow = shadow
 
     @abstractmethod
     def connect(self, init_calls: Sequence[EngineCall]) -> list[dict[str, Any]]:

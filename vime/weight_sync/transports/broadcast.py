@@ -53,10 +53,11 @@ class BroadcastTransport(Transport):
         master_port: int = 0,
         group_name: str = DEFAULT_GROUP_NAME,
         timeout_s: float = 600.0,
+        shadow: bool = False,
     ):
         """`communicator`: the plug-in ("gloo" on CPU buffers, "nccl" on `device`, a GPU).
         `master_address` must be reachable from every engine worker; port 0 picks a free one."""
-        super().__init__(timeout_s=timeout_s)
+        super().__init__(timeout_s=timeout_s, shadow=shadow)
         self.engine_world_sizes = check_engine_world_sizes(engine_world_sizes)
         self.world_size = 1 + sum(self.engine_world_sizes)
         self.communicator_cls = communicator_class(communicator)
@@ -83,6 +84,7 @@ class BroadcastTransport(Transport):
                     "timeout_s": self.timeout_s,
                     "group_name": self.group_name,
                     "communicator": self.communicator_cls.name,
+                    "shadow": self.shadow,
                 }
             )
             rank_offset += size

@@ -83,10 +83,11 @@ class ColocatedTransport(Transport):
         device: torch.device | str = "cpu",
         spread: Spread | None = None,
         timeout_s: float = 600.0,
+        shadow: bool = False,
     ):
         """`device_id`: this rank's device (`devices.device_id`); its buffers' handles are keyed
         by it. `spread`: the stage's holders, when engine workers sit on other devices too."""
-        super().__init__(timeout_s=timeout_s)
+        super().__init__(timeout_s=timeout_s, shadow=shadow)
         self.handles = handles
         self.device_id = device_id
         self.device = torch.device(device)
@@ -95,7 +96,7 @@ class ColocatedTransport(Transport):
 
     def connect(self, init_calls: Sequence[EngineCall]) -> list[dict[str, Any]]:
         self.discard()  # engines that (re)join have opened none of the old buffers
-        info = {"handles": self.handles.name}
+        info = {"handles": self.handles.name, "shadow": self.shadow, "timeout_s": self.timeout_s}
         InFlightCalls(init_calls, info, "init_weight_transfer_engine").wait(self.timeout_s)
         return [info] * len(init_calls)
 
