@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from typing import Any
 
@@ -18,7 +19,7 @@ from vime.weight_sync.buckets import Bucket
 from vime.weight_sync.delta import Baseline
 from vime.weight_sync.engine.moe import expert_prefixes, refresh_cpu_moe_prepack
 from vime.weight_sync.engine.parallel_load import CoreThreads, core_threads_from_env, split_by_layer
-from vime.weight_sync.engine.shadow import ShadowLoad
+from vime.weight_sync.engine.shadow import SHADOW_OF_THREAD, ShadowLoad
 from vime.weight_sync.engine.shadow_checks import check_can_shadow
 
 logger = logging.getLogger(__name__)
@@ -234,8 +235,13 @@ class BucketEngine(WeightTransferEngine):
 
         began = time.perf_counter()
         self._expert_prefixes |= expert_prefixes([name for name, _ in weights])
-        if self._shadow is not None:  # loads on the shadow's own thread; timed there
-            self._shadow.submit(weights)
+        if self.shadow_mode:  # loads on the shadow's own thread; timed there
+            # On a load thread (a receive running there): that thread's own copy, even if the
+            # update was dropped or another started meanwhile; never the served model.
+            shadow = getattr(threading.current_thread(), SHADOW_OF_THREAD, None) or self._shadow
+            if shadow is None:
+                raise RuntimeError("no weight update is loading beside the served weights")
+            shadow.submit(weights)
             self.stats["buckets"] += 1
             self.stats["bytes"] += sum(t.nbytes for _, t in weights)
             return

@@ -181,6 +181,15 @@ class BroadcastWeightTransferEngine(BucketEngine):
         )
 
     def receive_weights(self, update_info: BroadcastUpdateInfo) -> None:
+        if self._shadow is not None:
+            # Loading beside the served weights: receive on the load thread too, so that the
+            # worker's busy loop goes on decoding while the bytes arrive (this call returns at
+            # once; the sender's broadcast waits for the receive, and a failure fails the load).
+            self._shadow.run_on_load_thread(lambda: self._receive_buckets(update_info))
+            return
+        self._receive_buckets(update_info)
+
+    def _receive_buckets(self, update_info: BroadcastUpdateInfo) -> None:
         if update_info.group_name not in self._groups:
             raise RuntimeError(
                 f"weight transfer group {update_info.group_name!r} not initialized "

@@ -45,6 +45,8 @@ import torch
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
+# The attribute of a load thread naming its ShadowLoad (cleared when the thread ends).
+SHADOW_OF_THREAD = "vime_shadow_load"
 # Module dict entries the swap treats apart (the rest: swapped when the copy's differs).
 _STRUCTURE = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set")
 
@@ -174,6 +176,7 @@ class ShadowLoad:
         self._dropped = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._work, name="vime-shadow-load", daemon=True)
+        setattr(self._thread, SHADOW_OF_THREAD, self)
         self._thread.start()
 
     # -- the load thread ---------------------------------------------------------------------
@@ -182,6 +185,7 @@ class ShadowLoad:
         while True:
             job = self._jobs.get()
             if job is None:
+                setattr(self._thread, SHADOW_OF_THREAD, None)
                 return
             try:
                 if self.error is None and not self._dropped:
@@ -200,9 +204,18 @@ class ShadowLoad:
             self._pending += 1
         self._jobs.put(job)
 
-    def submit(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Load `weights` (HF names, views that stay valid until the commit) into the copy."""
+    def run_on_load_thread(self, job: Callable[[], None]) -> None:
+        """Run `job` (e.g. receiving buckets, which then `submit` their weights) on the load
+        thread, in turn with the loads; its failure fails the load."""
         if self._sealed:
+            raise RuntimeError("this shadow load is sealed: no weights can be added to it")
+        self._enqueue(job)
+
+    def submit(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Load `weights` (HF names, views that stay valid until the commit) into the copy: on
+        the load thread, at once when called there (from a job of `run_on_load_thread`)."""
+        on_load_thread = threading.current_thread() is self._thread
+        if self._dropped or (self._sealed and not on_load_thread):
             raise RuntimeError("this shadow load is sealed: no weights can be added to it")
         from vllm.model_executor.model_loader.mtp_validation import (
             disable_mtp_completeness_check,
@@ -214,7 +227,10 @@ class ShadowLoad:
                 self.root.load_weights(weights)
             self.stats["load"] += time.perf_counter() - began
 
-        self._enqueue(load)
+        if on_load_thread:
+            load()
+        else:
+            self._enqueue(load)
 
     def seal(self, expert_prefixes: set[str] = frozenset()) -> None:  # type: ignore[assignment]
         """No more weights: finish the copy on the load thread (idempotent)."""
