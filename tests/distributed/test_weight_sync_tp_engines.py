@@ -104,6 +104,10 @@ def trainer_tp2_run(urls, model_dir, tmp_path_factory):
         SyncStep("shm", s2, version=13, delta=True, changed_fraction=0.01),
         # The sender (rank 0, cpu:0) and G2's worker 0 (cpu:0) in one NCCL group: refused.
         SyncStep("nccl", g2, version=98, expect_error=True),
+        # weight_sync.shadow into TP=2 engines: each worker loads its slices beside its served
+        # weights on a thread of its own; the swap lands on both workers in one finish.
+        SyncStep("gloo", g2, version=14, shadow=True),
+        SyncStep("shm", s2, version=14, shadow=True),
     )
     job = SyncJob(model_dir=model_dir, tp=2, device_ids=True, steps=steps)
     return run_sync_job(job, 2, tmp_path_factory.mktemp("trainer-tp2"), timeout_s=400)
@@ -126,6 +130,7 @@ def test_tp2_engines_serve_exact_trainer_slices(request, run, hf, checkpoint):
     else:
         assert kinds == {"gloo", "shm", "ipc"}
         assert [r["report"].delta for r in records[4:8]] == ["full", "delta"] * 2
+        assert all("stage" in r["report"].seconds for r in records[9:11])  # loaded, then paused
         # shm across two devices: one request per bucket, each worker reading its rank's copy.
         assert records[1]["report"].num_buckets > 1
 
