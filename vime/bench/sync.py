@@ -96,21 +96,11 @@ def bench_dtype(
             startup[transport] = engine.startup_s or 0.0
             for shadow in SHADOW_MODES[args.shadow]:
                 updater = trainer.updater(transport, engine, bucket_bytes, version, shadow=shadow)
-                measurements.append(
-                    bench_updater(
-                        f"{transport}+shadow" if shadow else transport,
-                        trainer,
-                        updater,
-                        engine,
-                        dtype=dtype,
-                        num_bytes=num_bytes,
-                        iterations=args.iterations,
-                        warmup=args.warmup,
-                        probe_tokens=args.probe_tokens,
-                    )
+                method = f"{transport}+shadow" if shadow else transport
+                measurement, version = bench_and_close(
+                    args, method, trainer, updater, engine, dtype, num_bytes
                 )
-                version = updater.weight_version
-                updater.close()
+                measurements.append(measurement)
             if position == 0:  # the baselines run on the first engine
                 version, baselines = bench_baselines(
                     args, trainer, engine, transport, dtype, num_bytes, version
@@ -129,6 +119,33 @@ def bench_dtype(
     )
 
 
+def bench_and_close(
+    args: argparse.Namespace,
+    method: str,
+    trainer: Trainer,
+    updater: Any,
+    engine: Any,
+    dtype: str,
+    num_bytes: int,
+) -> tuple[Measurement, int]:
+    """`bench_updater` with the command's settings; the updater is closed after. Returns the
+    measurement and the engine's weight version after it."""
+    measurement = bench_updater(
+        method,
+        trainer,
+        updater,
+        engine,
+        dtype=dtype,
+        num_bytes=num_bytes,
+        iterations=args.iterations,
+        warmup=args.warmup,
+        probe_tokens=args.probe_tokens,
+    )
+    version = updater.weight_version
+    updater.close()
+    return measurement, version
+
+
 def bench_baselines(
     args: argparse.Namespace,
     trainer: Trainer,
@@ -142,21 +159,10 @@ def bench_baselines(
     measurements = []
     if "naive" in args.baselines and transport == "shm":
         updater = trainer.updater("shm", engine, 1, version)  # 1 byte cap: a bucket per tensor
-        measurements.append(
-            bench_updater(
-                "naive",
-                trainer,
-                updater,
-                engine,
-                dtype=dtype,
-                num_bytes=num_bytes,
-                iterations=args.iterations,
-                warmup=args.warmup,
-                probe_tokens=args.probe_tokens,
-            )
+        measurement, version = bench_and_close(
+            args, "naive", trainer, updater, engine, dtype, num_bytes
         )
-        version = updater.weight_version
-        updater.close()
+        measurements.append(measurement)
     elif "naive" in args.baselines:
         logger.warning(
             "naive baseline skipped: it runs over shm; the first transport is %s", transport

@@ -125,7 +125,7 @@ class BucketEngine(WeightTransferEngine):
         shadow_bytes = 0
         if self.shadow_mode:
             shadow_bytes = check_can_shadow(self.model, self.model_config, self.device)  # now
-            self._shadow = ShadowLoad(self.model, self.model_config)
+            self._shadow = ShadowLoad(self.model)
         else:
             initialize_layerwise_reload(self.model)
         self._expert_prefixes = set()

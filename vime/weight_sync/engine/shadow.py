@@ -124,7 +124,7 @@ class ShadowLoad:
     swaps it in. Call `submit` per bucket, then `status` until ready, then `commit` (or
     `discard`)."""
 
-    def __init__(self, model: torch.nn.Module, model_config: Any):
+    def __init__(self, model: torch.nn.Module):
         from vllm.model_executor.model_loader.reload.layerwise import (
             LAYERWISE_INFO,
             get_layerwise_info,
@@ -136,8 +136,6 @@ class ShadowLoad:
         )
 
         began = time.perf_counter()
-        self.model = model
-        self.model_config = model_config
         self._pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []
         self.root: Any = _copy_tree(model, {}, self._pairs)
         # Parameters one served module shares with another (a tied head): {id: [(module, name)]}.
