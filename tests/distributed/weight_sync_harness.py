@@ -123,33 +123,24 @@ class InflightRequest:
         from vime.engines.generate_api import SamplingConfig
         from vime.engines.generation import GenerationClient
 
-        self.seen_tokens = threading.Event()
         self.result = None
         self.error: BaseException | None = None
-
-        def on_tokens(result) -> None:
-            if result.token_ids:
-                self.seen_tokens.set()
 
         async def generate() -> None:
             async with GenerationClient([url], token=TOKEN, timeout_s=300) as client:
                 sampling = SamplingConfig(
                     max_tokens=INFLIGHT_TOKENS, temperature=0.0, ignore_eos=True
                 )
-                self.result = await client.generate(PROMPT_IDS, sampling, on_tokens=on_tokens)
+                self.result = await client.generate(PROMPT_IDS, sampling)
 
         def run() -> None:
             try:
                 asyncio.run(generate())
             except BaseException as exc:
                 self.error = exc
-                self.seen_tokens.set()
 
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
-
-    def wait_started(self, timeout_s: float = 60) -> None:
-        assert self.seen_tokens.wait(timeout_s), "in-flight request produced no tokens"
 
     def join(self, timeout_s: float = 300):
         self.thread.join(timeout_s)
@@ -159,26 +150,37 @@ class InflightRequest:
         return self.result
 
 
-def _start_frozen_request(gate, attempts: int = 3) -> InflightRequest:
+def _start_frozen_request(gate, deadline_s: float = 240) -> InflightRequest:
     """A greedy request frozen mid-generation by a keep pause the test holds (`gate`, the step's
     engine): the sync's own keep pause finds the engine paused (idempotent) and its resume
     releases the request on the new weights, however slow the sync is on a loaded machine.
 
-    The request must be frozen holding its KV blocks, not finished: the engine's refusal to
-    reset its prefix cache proves it. A client lagging its stream (a loaded machine) can see
-    the first tokens after the engine made all of them; then the request is let finish and
-    another one gated, so the outcome never depends on timing.
+    The engine is paused right after the request is sent, without waiting for its stream: on a
+    loaded machine the client can see the first tokens only after the engine made all of them
+    (CI saw three 2000-token requests end that way). A pause that lands before the engine took
+    the request holds it unscheduled: resume and pause again until it is frozen holding KV blocks
+    (the engine's refusal to reset its prefix cache proves it), i.e. after its prefill, with at
+    least one token made on the old weights. A request that ended anyway (the pause was starved
+    for its whole run) is let go and another one gated.
     """
     gate.init()
-    for _ in range(attempts):
+    deadline = time.monotonic() + deadline_s
+    requests_sent = 0
+    while time.monotonic() < deadline:
         inflight = InflightRequest(gate.url)
-        inflight.wait_started()
-        gate.pause_generation(mode="keep", clear_cache=False)
-        if not gate.flush_cache(timeout_s=0.0, raise_on_timeout=False):
-            return inflight  # it holds KV blocks: frozen mid-generation
-        gate.continue_generation()  # it ended before the pause: let it go, gate another
-        inflight.join()
-    raise AssertionError(f"every one of {attempts} requests ended before the keep pause landed")
+        requests_sent += 1
+        while time.monotonic() < deadline:
+            gate.pause_generation(mode="keep", clear_cache=False)
+            if not gate.flush_cache(timeout_s=0.0, raise_on_timeout=False):
+                return inflight  # it holds KV blocks: frozen mid-generation
+            gate.continue_generation()  # not taken yet, or already ended
+            if not inflight.thread.is_alive():
+                inflight.join()  # it ended before any pause landed: gate another
+                break
+    raise AssertionError(
+        f"no request was frozen mid-generation in {deadline_s:g} s ({requests_sent} sent): "
+        "every one ended before a keep pause landed"
+    )
 
 
 def _worker(rank: int, world_size: int, port: int, job: SyncJob, out_dir: str) -> None:
