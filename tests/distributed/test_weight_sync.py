@@ -196,6 +196,11 @@ def delta_run(servers, model_dir, tmp_path_factory):
         SyncStep("shm", b, version=44, delta=True, changed_fraction=sparse),
         # Full again on the same segments: the delta before it used fewer buckets.
         SyncStep("shm", b, version=45, delta=True, changed_fraction=sparse, reset_delta=True),
+        # Two deltas: the full sync's extra segments are let go after the second; a full sync
+        # then makes new ones.
+        SyncStep("shm", b, version=46, delta=True, changed_fraction=sparse),
+        SyncStep("shm", b, version=47, delta=True, changed_fraction=sparse),
+        SyncStep("shm", b, version=48, delta=True, changed_fraction=sparse, reset_delta=True),
     )
     job = SyncJob(model_dir=model_dir, steps=steps)
     return run_sync_job(job, 1, tmp_path_factory.mktemp("delta"))
@@ -216,9 +221,12 @@ def test_delta_syncs_serve_exact_weights_and_send_only_what_changed(delta_run, h
         "full",
         "delta",
         "full",
+        "delta",
+        "delta",
+        "full",
     ]
     full_bytes = reports[0].num_bytes
-    for index in (1, 4, 7):  # 1% of the elements changed: indices and values of those
+    for index in (1, 4, 7, 9, 10):  # 1% of the elements changed: indices and values of those
         report = reports[index]
         assert 0.005 < report.changed_fraction < 0.02, report.changed_fraction
         assert report.full_bytes == full_bytes
@@ -226,6 +234,25 @@ def test_delta_syncs_serve_exact_weights_and_send_only_what_changed(delta_run, h
     # Every element changed: each tensor goes whole (cheaper than indices + values).
     assert reports[2].changed_fraction == 1.0
     assert 0.95 * full_bytes <= reports[2].num_bytes <= 1.05 * full_bytes
+
+
+def test_segments_unused_by_one_sync_are_kept_and_by_two_let_go(delta_run):
+    """The shm engine's mapped segments after each sync of the delta run (its worker's stats): a
+    full sync after one delta refills the segments both sides kept; after two deltas the full
+    sync's extra segments are let go; the full sync after that maps new ones."""
+    records, _ = delta_run
+
+    def kept(index: int) -> int:
+        (worker,) = records[index]["engines"][0]["update_stats"]
+        return worker["buffers_kept"]
+
+    full, delta = kept(8), kept(7)  # versions 45 (full) and 44 (a delta after a full)
+    modes = [records[i]["report"].delta for i in (8, 9, 10, 11)]
+    assert modes == ["full", "delta", "delta", "full"]
+    assert delta == full > 1, (delta, full)  # the delta kept the full sync's segments for 45
+    assert kept(9) == full  # unused once: kept
+    assert kept(10) < full  # unused twice: only the delta's own are mapped
+    assert kept(11) == full  # a full sync again: new segments for its extra buckets
 
 
 def test_delta_broken_after_its_first_bucket_is_repaired_before_generation_resumes(delta_run):

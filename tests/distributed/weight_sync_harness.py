@@ -371,6 +371,7 @@ def _probe_when_staged(record: dict) -> None:
             "metadata": engine.collective_rpc("vime_weight_metadata"),
             "checksums": engine.collective_rpc("vime_weight_checksums"),
             "greedy": completions_greedy(engine.url, PROMPT_IDS),
+            "update_stats": engine.collective_rpc("vime_weight_update_stats"),
             "weight_version": engine.get_weight_version(),
             "is_paused": engine.is_paused(),
         }
@@ -392,6 +393,7 @@ def _record_engines(rank: int, record: dict, engines, out_dir: Path, index: int)
                 "vime_weight_checksums", kwargs={"source": "loaded"}
             ),
             "greedy": completions_greedy(engine.url, PROMPT_IDS),
+            "update_stats": engine.collective_rpc("vime_weight_update_stats"),
             "weight_version": engine.get_weight_version(),
             "is_paused": engine.is_paused(),
         }

@@ -83,6 +83,50 @@ def test_the_compare_in_chunks_on_several_threads_finds_every_change(monkeypatch
     assert encoder.encode("w", new, DeltaStats()) == []  # the last-sent copy caught up
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+def test_block_search_finds_sparse_dense_and_edge_changes(monkeypatch, dtype):
+    """Blocks of 24 (a short last one: 1003 elements), chunks of 96: sparse blocks are searched
+    by the mask's 8-byte words, denser ones directly; one chunk is locally past the dense share,
+    stops collecting and is searched again by `take` (the tensor as a whole stays sparse)."""
+    import vime.weight_sync.delta as delta
+
+    monkeypatch.setattr(delta, "CHUNK_ELEMENTS", 96)
+    monkeypatch.setattr(delta, "BLOCK_ELEMENTS", 24)
+    monkeypatch.setattr(delta, "SPARSE_BLOCK_FRACTION", 0.2)  # up to 4 of 24: by words
+    generator = torch.Generator().manual_seed(3)
+    old = (torch.rand(1003, generator=generator) * 100).to(dtype)
+    new = old.clone()
+    flat = new.view(-1)
+    sparse = [0, 7, 8, 23, 24, 95, 96, 500, 1002]  # word, block and chunk edges, the last one
+    dense = list(range(200, 240))  # block 8 and 9 (of chunk 2) mostly changed
+    changed = sorted(set(sparse + dense))
+    bits(flat)[changed] ^= 1  # one bit flipped: a change every dtype sees
+    encoder = DeltaEncoder()
+    encoder.remember("w", old)
+    stats = DeltaStats()
+    (indices_entry, values_entry) = encoder.encode("w", new, stats)
+    assert indices_entry[1].tolist() == changed and stats.changed == len(changed)
+    assert torch.equal(bits(values_entry[1]), bits(flat[changed]))
+    assert encoder.encode("w", new, DeltaStats()) == []  # the last-sent copy caught up
+    # Mostly changed: sent whole; the last-sent copy is the new tensor.
+    newer = new.clone()
+    bits(newer.view(-1))[:900] ^= 1
+    assert encoder.encode("w", newer, DeltaStats()) == [("w", newer)]
+    assert encoder.encode("w", newer, DeltaStats()) == []
+
+
+def test_the_word_search_equals_numpys_flatnonzero():
+    import numpy as np
+
+    from vime.weight_sync.delta import _flat_nonzero
+
+    rng = np.random.default_rng(0)
+    for size in (0, 1, 7, 8, 9, 64, 1001):
+        for density in (0.0, 0.01, 0.3, 1.0):
+            mask = rng.random(size) < density
+            assert _flat_nonzero(mask).tolist() == np.flatnonzero(mask).tolist(), (size, density)
+
+
 def test_unchanged_tensors_send_nothing_and_signed_zero_and_nan_count_as_changes():
     encoder, engine = DeltaEncoder(), Baseline()
     old = {"w": torch.tensor([0.0, 1.0, float("nan"), 2.0])}

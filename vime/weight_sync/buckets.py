@@ -28,6 +28,9 @@ import xxhash
 
 ALIGNMENT = 64
 BUCKET_MODES = ("dense", "full", "delta", "commit")
+# A kept bucket buffer (colocated shape) may go unused this many syncs in a row; the sync after
+# drops it. Trainer and engine apply the same rule (see vime.weight_sync.transports.colocated).
+UNUSED_SYNCS_KEPT = 1
 
 ParamSpec = tuple[str, "str | torch.dtype", Sequence[int]]
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from vime.weight_sync.buckets import unpack
+from vime.weight_sync.buckets import UNUSED_SYNCS_KEPT, unpack
 from vime.weight_sync.devices import Handles, device_id, handles_class
 from vime.weight_sync.engine.base import BucketEngine, parse_buckets
 
@@ -60,6 +60,7 @@ class ColocatedWeightTransferEngine(BucketEngine):
         self._handles: type[Handles] | None = None
         self._opened: dict[str, torch.Tensor] = {}  # handle key -> the whole buffer
         self._used: set[str] = set()  # handle keys this sync read
+        self._unused_syncs: dict[str, int] = {}  # handle key -> syncs in a row without it
 
     @property
     def device_id(self) -> str:
@@ -75,6 +76,7 @@ class ColocatedWeightTransferEngine(BucketEngine):
         self.set_shadow_mode(init_info.shadow, init_info.timeout_s)
         self._handles = handles
         self._opened.clear()
+        self._unused_syncs.clear()
 
     def start_weight_update(self) -> None:
         super().start_weight_update()
@@ -82,10 +84,17 @@ class ColocatedWeightTransferEngine(BucketEngine):
 
     def finish_weight_update(self) -> None:
         super().finish_weight_update()
-        if not self._used:
-            return  # no buffer read (a live engine's peer copy, a delta with nothing changed)
-        for key in set(self._opened) - self._used:
-            del self._opened[key]
+        if self._used:  # none read: a live engine's peer copy, a delta with nothing changed
+            # The trainer's rule (buckets.UNUSED_SYNCS_KEPT), counting only syncs that read a
+            # buffer: never sooner than the trainer drops it.
+            for key in list(self._opened):
+                idle = 0 if key in self._used else self._unused_syncs.get(key, 0) + 1
+                self._unused_syncs[key] = idle
+                if idle > UNUSED_SYNCS_KEPT:
+                    del self._opened[key], self._unused_syncs[key]
+        if self.stats:  # the buffers this worker keeps mapped for the next sync
+            self.stats["buffers_kept"] = len(self._opened)
+            self.stats["buffer_bytes_kept"] = sum(b.numel() for b in self._opened.values())
 
     def _open(self, handles: dict[str, Any], nbytes: int) -> torch.Tensor:
         if self._handles is None:
@@ -119,7 +128,9 @@ class ColocatedWeightTransferEngine(BucketEngine):
                 self._receive(bucket, unpack(view, bucket))
         except BaseException:
             self._opened.clear()
+            self._unused_syncs.clear()
             raise
 
     def shutdown(self) -> None:
         self._opened.clear()
+        self._unused_syncs.clear()

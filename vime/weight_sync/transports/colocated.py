@@ -16,10 +16,14 @@ Buffers are kept and refilled sync after sync: nothing is allocated after the fi
 Invariant: a buffer is refilled only in a later sync than the one that filled it, never within a
 sync. Within a sync an engine may still hold views of a bucket it has acknowledged (layerwise
 reload keeps a layer's weights until the whole layer has arrived, possibly from a later bucket),
-so every bucket of a sync has its own buffer; finish_weight_update releases all views. A buffer a
-sync did not use is dropped by both sides when it ends (a delta sync has fewer buckets than a full
-one). After a failed sync engines may not have let go: `discard()` (called on any error here, and
-by the updater when a session fails) drops every buffer, and the next sync starts with new ones.
+so every bucket of a sync has its own buffer; finish_weight_update releases all views. A buffer
+that `UNUSED_SYNCS_KEPT` + 1 syncs in a row did not use is dropped by both sides at the end of
+the last of them (a delta sync has fewer buckets than a full one: a full sync now and then keeps
+its buffers, and a delta sync does not unmap a model's worth of them inside its pause; all-delta
+syncs drop them once). The engine counts only syncs that read a buffer, so it drops no sooner
+than the trainer: the trainer never refills a buffer an engine let go. After a failed sync
+engines may not have let go: `discard()` (called on any error here, and by the updater when a
+session fails) drops every buffer, and the next sync starts with new ones.
 A handle's name (a segment's path) is released as soon as every engine acknowledged its bucket.
 
 Without a spread, sending is pipelined: bucket i+1 is packed while the engines load bucket i.
@@ -36,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vime.weight_sync.buckets import Bucket
+from vime.weight_sync.buckets import UNUSED_SYNCS_KEPT, Bucket
 from vime.weight_sync.devices import Handles
 from vime.weight_sync.transports.base import EngineCall, FillBucket, InFlightCalls, Transport
 
@@ -93,6 +97,7 @@ class ColocatedTransport(Transport):
         self.device = torch.device(device)
         self.spread = spread
         self._buffers: dict[int, _Buffer] = {}  # bucket index -> its buffer
+        self._unused_syncs: dict[int, int] = {}  # bucket index -> syncs in a row without it
 
     def connect(self, init_calls: Sequence[EngineCall]) -> list[dict[str, Any]]:
         self.discard()  # engines that (re)join have opened none of the old buffers
@@ -275,11 +280,15 @@ class ColocatedTransport(Transport):
     # ---- buffers ----------------------------------------------------------------------------
 
     def _drop_unused(self, used: set[int]) -> None:
-        # Mirror of the engines' rule: a buffer this sync did not use is dropped at its end (they
-        # let go of it at finish), so a later sync with more buckets (a full one after a delta)
-        # makes new buffers instead of refilling ones the engines let go.
-        for index in set(self._buffers) - used:
-            self._forget(self._buffers.pop(index))
+        # Mirror of the engines' rule (they let go at finish): a buffer unused for more than
+        # UNUSED_SYNCS_KEPT syncs in a row is dropped, so a later sync with more buckets makes
+        # new buffers instead of refilling ones the engines let go.
+        for index in list(self._buffers):
+            idle = 0 if index in used else self._unused_syncs.get(index, 0) + 1
+            self._unused_syncs[index] = idle
+            if idle > UNUSED_SYNCS_KEPT:
+                self._forget(self._buffers.pop(index))
+                del self._unused_syncs[index]
 
     def _forget(self, buffer: _Buffer) -> None:
         if buffer.handle is not None:
@@ -291,6 +300,7 @@ class ColocatedTransport(Transport):
         for buffer in self._buffers.values():
             self._forget(buffer)
         self._buffers.clear()
+        self._unused_syncs.clear()
 
     def close(self) -> None:
         self.discard()
