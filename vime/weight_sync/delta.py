@@ -49,9 +49,9 @@ class _Changed:
 
     On CPU by NumPy, in chunks spread over the machine's cores (`_pool`; NumPy releases the GIL),
     each chunk compared in blocks whose mask stays in the core's cache: one pass reads both
-    copies once and finds the changed elements' indices (`_block_changes`). A chunk with more
-    changed than `dense_fraction` of its elements stops collecting indices (the tensor is then
-    most likely sent whole); `take` finds them if the tensor goes sparse after all."""
+    copies once and finds the changed elements' indices (`_chunk_changes`). A chunk (or one of
+    its blocks) with more than `dense_fraction` of its elements changed stops collecting indices
+    (the tensor is then most likely sent whole); `take` finds them if it goes sparse after all."""
 
     def __init__(self, new: torch.Tensor, old: torch.Tensor, dense_fraction: float = 1.0):
         self.new, self.old = new, old
