@@ -371,7 +371,6 @@ def _probe_when_staged(record: dict) -> None:
             "metadata": engine.collective_rpc("vime_weight_metadata"),
             "checksums": engine.collective_rpc("vime_weight_checksums"),
             "greedy": completions_greedy(engine.url, PROMPT_IDS),
-            "update_stats": engine.collective_rpc("vime_weight_update_stats"),
             "weight_version": engine.get_weight_version(),
             "is_paused": engine.is_paused(),
         }

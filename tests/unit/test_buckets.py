@@ -10,6 +10,7 @@ import torch
 from vime.weight_sync.buckets import (
     ALIGNMENT,
     Bucket,
+    buffers_to_drop,
     check_against_engine,
     pack,
     plan_buckets,
@@ -307,3 +308,14 @@ def test_wire_dtypes_cast_only_what_an_engine_serves_narrower():
     ]
     layouts = [[{"w": ("bfloat16", None), "norm": ("float32", None), "b": ("float32", None)}]]
     assert wire_dtypes(metadata, layouts) == {"w": torch.bfloat16}
+
+
+def test_a_buffer_is_dropped_after_two_syncs_in_a_row_without_it():
+    """The rule both sides of the colocated shape apply to their kept buffers."""
+    unused: dict[int, int] = {}
+    kept = {0, 1, 2}
+    assert buffers_to_drop(kept, {0, 1, 2}, unused) == []  # a full sync
+    assert buffers_to_drop(kept, {0, 1}, unused) == []  # 2 unused once: kept
+    assert buffers_to_drop(kept, {0, 2}, unused) == []  # 2 used again, 1 unused once
+    assert buffers_to_drop(kept, {0}, unused) == [1]  # 1 unused twice in a row; 2 once
+    assert unused == {0: 0, 2: 1}

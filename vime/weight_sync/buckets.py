@@ -19,9 +19,9 @@ IPC consumers read.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import xxhash
@@ -29,10 +29,26 @@ import xxhash
 ALIGNMENT = 64
 BUCKET_MODES = ("dense", "full", "delta", "commit")
 # A kept bucket buffer (colocated shape) may go unused this many syncs in a row; the sync after
-# drops it. Trainer and engine apply the same rule (see vime.weight_sync.transports.colocated).
+# drops it. Trainer and engine apply the same rule, `buffers_to_drop` (see
+# vime.weight_sync.transports.colocated).
 UNUSED_SYNCS_KEPT = 1
 
 ParamSpec = tuple[str, "str | torch.dtype", Sequence[int]]
+K = TypeVar("K")
+
+
+def buffers_to_drop(kept: Iterable[K], used: Container[K], unused_syncs: dict[K, int]) -> list[K]:
+    """At the end of a sync: the kept buffers (by key) that `UNUSED_SYNCS_KEPT` + 1 syncs in a row
+    have not used, now to be dropped. `unused_syncs` counts, per key, the syncs in a row without
+    it; it is updated here (a dropped key is forgotten)."""
+    drop = []
+    for key in list(kept):
+        idle = 0 if key in used else unused_syncs.get(key, 0) + 1
+        unused_syncs[key] = idle
+        if idle > UNUSED_SYNCS_KEPT:
+            del unused_syncs[key]
+            drop.append(key)
+    return drop
 
 
 def dtype_name(dtype: torch.dtype) -> str:

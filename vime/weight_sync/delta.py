@@ -102,7 +102,8 @@ def _chunk_changes(
     new_bits: np.ndarray, old_bits: np.ndarray, start: int, end: int, dense_fraction: float
 ) -> tuple[int, np.ndarray | None]:
     """(count, flat indices) of the elements in [start, end) whose bits differ; indices None
-    once more than `dense_fraction` of the chunk's elements changed (only counted from there)."""
+    once more than `dense_fraction` of the chunk's elements, or of one block's, changed (only
+    counted from there)."""
     mask: np.ndarray = np.empty(BLOCK_ELEMENTS, dtype=np.bool_)
     limit = dense_fraction * (end - start)
     count = 0

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from vime.weight_sync.buckets import UNUSED_SYNCS_KEPT, unpack
+from vime.weight_sync.buckets import buffers_to_drop, unpack
 from vime.weight_sync.devices import Handles, device_id, handles_class
 from vime.weight_sync.engine.base import BucketEngine, parse_buckets
 
@@ -85,13 +85,10 @@ class ColocatedWeightTransferEngine(BucketEngine):
     def finish_weight_update(self) -> None:
         super().finish_weight_update()
         if self._used:  # none read: a live engine's peer copy, a delta with nothing changed
-            # The trainer's rule (buckets.UNUSED_SYNCS_KEPT), counting only syncs that read a
-            # buffer: never sooner than the trainer drops it.
-            for key in list(self._opened):
-                idle = 0 if key in self._used else self._unused_syncs.get(key, 0) + 1
-                self._unused_syncs[key] = idle
-                if idle > UNUSED_SYNCS_KEPT:
-                    del self._opened[key], self._unused_syncs[key]
+            # The trainer's rule, counting only syncs that read a buffer: never sooner than the
+            # trainer drops it.
+            for key in buffers_to_drop(self._opened, self._used, self._unused_syncs):
+                del self._opened[key]
         if self.stats:  # the buffers this worker keeps mapped for the next sync
             self.stats["buffers_kept"] = len(self._opened)
             self.stats["buffer_bytes_kept"] = sum(b.numel() for b in self._opened.values())

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vime.weight_sync.buckets import UNUSED_SYNCS_KEPT, Bucket
+from vime.weight_sync.buckets import Bucket, buffers_to_drop
 from vime.weight_sync.devices import Handles
 from vime.weight_sync.transports.base import EngineCall, FillBucket, InFlightCalls, Transport
 
@@ -280,15 +280,11 @@ class ColocatedTransport(Transport):
     # ---- buffers ----------------------------------------------------------------------------
 
     def _drop_unused(self, used: set[int]) -> None:
-        # Mirror of the engines' rule (they let go at finish): a buffer unused for more than
+        # The engines' rule too (they let go at finish): a buffer unused for more than
         # UNUSED_SYNCS_KEPT syncs in a row is dropped, so a later sync with more buckets makes
         # new buffers instead of refilling ones the engines let go.
-        for index in list(self._buffers):
-            idle = 0 if index in used else self._unused_syncs.get(index, 0) + 1
-            self._unused_syncs[index] = idle
-            if idle > UNUSED_SYNCS_KEPT:
-                self._forget(self._buffers.pop(index))
-                del self._unused_syncs[index]
+        for index in buffers_to_drop(self._buffers, used, self._unused_syncs):
+            self._forget(self._buffers.pop(index))
 
     def _forget(self, buffer: _Buffer) -> None:
         if buffer.handle is not None:
