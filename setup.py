@@ -9,7 +9,12 @@ setup(
     python_requires=">=3.11,<3.12",
     packages=find_packages(include=["vime", "vime.*"]),
     package_data={"vime": ["data/*/*.jsonl", "data/*/*.md", "cluster/*.tmpl"]},
-    entry_points={"console_scripts": ["vime = vime.cli:main"]},
+    entry_points={
+        "console_scripts": ["vime = vime.cli:main"],
+        # Loaded by every vLLM process: the engine-core hook that swaps an update loaded beside
+        # the served weights and sets its version label in one call (weight_sync.shadow).
+        "vllm.general_plugins": ["vime = vime.weight_sync.engine.core_commit:register"],
+    },
     install_requires=[
         "megatron-core==0.16.1",
         "ray[default]==2.60.*",

@@ -24,6 +24,7 @@ from weight_sync_harness import (
     SyncJob,
     SyncStep,
     assert_continues_like_a_fresh_model,
+    assert_switched_between_two_steps,
     assert_synced,
     load_sync_records,
     run_sync_job,
@@ -109,6 +110,9 @@ def tp1_run(servers, model_dir, model_builder, tmp_path_factory):
             )
             for version in (first, first + 1)
         ),
+        # weight_sync.shadow with a request decoding through the commit (never paused).
+        SyncStep("gloo", a, version=10, shadow=True, inflight=True),
+        SyncStep("shm", b, version=10, shadow=True, inflight=True),
     )
     job = SyncJob(model_dir=model_dir, steps=steps)
     return run_sync_job(job, 1, tmp_path_factory.mktemp("tp1"))
@@ -352,7 +356,7 @@ def test_a_live_engine_copies_its_weights_to_a_joiner_exactly(servers, model_dir
 @pytest.mark.parametrize(
     ("run", "step_indices"),
     [
-        ("tp1_run", (0, 1, 4, 5, 7, 9, 11, *range(12, 20))),
+        ("tp1_run", (0, 1, 4, 5, 7, 9, 11, *range(12, 22))),
         ("tp2_run", tuple(range(14))),
         ("pp2_run", (0, 1, 2, 4, 5, 6, 7)),
     ],
@@ -404,6 +408,21 @@ def test_request_in_flight_continues_on_new_weights(tp1_run, index):
     assert runs[0][1] > 0 and runs[1][1] > 0
     # keep + clear_cache=False: the frozen request held KV blocks, the flush could not happen.
     assert record["report"].prefix_cache_flushed is False
+
+
+@pytest.mark.parametrize("index, before", [(20, 15), (21, 19)], ids=["gloo", "shm"])
+def test_shadow_swap_between_two_steps_labels_every_token_exactly(tp1_run, hf, index, before):
+    """weight_sync.shadow with vime's engine-core hook: the engine is never paused; the swap,
+    its label and the flush land in one engine-core call between two steps of a request that
+    decodes through it, and each of its tokens is labelled with the weights that made it."""
+    records, exported = tp1_run
+    record = records[index]
+    report = record["report"]
+    assert "stage" in report.seconds and report.paused_s == report.seconds["finish"]
+    (engine,) = record["engines"]
+    assert engine["weight_version"] == "10" and engine["is_paused"] is False
+    assert report.prefix_cache_flushed is False  # the request held blocks: tried, not forced
+    assert_switched_between_two_steps(record, exported[before], exported[index], hf)
 
 
 def test_clear_cache_switch_continues_like_a_fresh_model(tp1_run, hf):

@@ -28,7 +28,7 @@ import torch
 from engine_token import HEADERS, TOKEN
 from megatron_harness import init_gloo_rank, spawn_ranks
 
-from vime.testing.hf import hf_greedy
+from vime.testing.hf import hf_greedy, hf_greedy_across_switch
 from vime.weight_sync.devices.base import TRAINER_DEVICE_ENV
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=90)
@@ -301,7 +301,10 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
             _probe_when_staged(record)
         inflight = None
         if rank == 0 and step.inflight:
-            inflight = _start_frozen_request(VLLMEngine(engine_config, url=step.engine_urls[0]))
+            gate = VLLMEngine(engine_config, url=step.engine_urls[0])
+            inflight = _start_frozen_request(gate)
+            if step.shadow:
+                _release_when_staged(gate)
         try:
             record["report"] = updater.update_weights(version=step.version)
         except Exception as exc:
@@ -357,15 +360,33 @@ def _break_after_first_bucket(updater, kill: bool = False) -> None:
     transport.send_buckets = send_buckets
 
 
+def _release_when_staged(gate) -> None:
+    """For the next sync only (weight_sync.shadow): once the engines have the update loaded
+    beside the served weights, resume `gate`, frozen by `_start_frozen_request`: the request
+    decodes on the old weights again, and a commit between two steps, which pauses nothing,
+    lands while it does (a request of INFLIGHT_TOKENS cannot end in the few round trips
+    between this resume and that commit)."""
+    from vime.weight_sync import engine_control
+
+    original = engine_control.wait_staged
+
+    def wait_then_release(engine, timeout_s: float) -> None:
+        engine_control.wait_staged = original
+        original(engine, timeout_s)
+        gate.continue_generation()
+
+    engine_control.wait_staged = wait_then_release
+
+
 def _probe_when_staged(record: dict) -> None:
     """For the next sync only: once an engine reports its update ready beside the served
     weights (the session's `wait_staged`), record what it serves before the swap."""
-    from vime.weight_sync import session
+    from vime.weight_sync import engine_control
 
-    original = session.wait_staged
+    original = engine_control.wait_staged
 
     def wait_then_probe(engine, timeout_s: float) -> None:
-        session.wait_staged = original
+        engine_control.wait_staged = original
         original(engine, timeout_s)
         record["staged"] = {
             "metadata": engine.collective_rpc("vime_weight_metadata"),
@@ -375,7 +396,7 @@ def _probe_when_staged(record: dict) -> None:
             "is_paused": engine.is_paused(),
         }
 
-    session.wait_staged = wait_then_probe
+    engine_control.wait_staged = wait_then_probe
 
 
 def _record_engines(rank: int, record: dict, engines, out_dir: Path, index: int) -> None:
@@ -554,3 +575,24 @@ def assert_continues_like_a_fresh_model(record: dict, exported: dict, hf: HFRefe
     model = hf.load(exported)
     expected = hf_greedy(model, [*PROMPT_IDS, *tokens[:switch]], SWITCH_CHECK_TOKENS)
     assert tokens[switch : switch + SWITCH_CHECK_TOKENS] == expected
+
+
+def assert_switched_between_two_steps(record: dict, before: dict, after: dict, hf) -> None:
+    """A shadow sync committed between two scheduler steps (no pause) while a greedy request
+    decoded: every token labelled with the old version is what the old weights make, every
+    token from the first one labelled new on is what the new weights make from there, reading
+    the old weights' KV cache for the tokens before (nothing was recomputed)."""
+    version = str(record["step"].version)
+    tokens = record["inflight"]["token_ids"]
+    versions = record["inflight"]["weight_versions"]
+    assert record["inflight"]["finish_reason"] == "length"
+    switch = versions.index(version)
+    assert 0 < switch < len(tokens) - SWITCH_CHECK_TOKENS, (switch, len(tokens))
+    assert len(set(versions[:switch])) == 1 and set(versions[switch:]) == {version}
+    old, new = hf.load(before), hf.load(after)
+    assert tokens[:switch] == hf_greedy(old, PROMPT_IDS, switch)
+    n = SWITCH_CHECK_TOKENS
+    expected = hf_greedy_across_switch(old, new, PROMPT_IDS, tokens, switch, n)
+    assert tokens[switch : switch + n] == expected
+    # The check has power: had the old weights gone on, the tokens would differ.
+    assert hf_greedy_across_switch(old, old, PROMPT_IDS, tokens, switch, n) != expected

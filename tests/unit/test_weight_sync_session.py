@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from vime.config import WeightSyncConfig
 from vime.engines.vllm_engine import FlushCacheError
+from vime.weight_sync.engine import core_commit
 from vime.weight_sync.session import WeightSyncError, call_engines, run_sync_session
 
 pytestmark = pytest.mark.unit
@@ -287,16 +288,26 @@ def test_engine_device_ids_become_each_engines_devices():
 
 class ShadowEngine(FakeEngine):
     """An engine loading beside its served weights: its workers answer vime_shadow_ready
-    "not yet" `polls` times, then ready (or `error`)."""
+    "not yet" `polls` times, then ready (or `error`); `hook`: its engine core has vime's hook
+    (`core_commit`), whose answers these are."""
 
-    def __init__(self, log, name, polls=2, error=None):
+    def __init__(self, log, name, polls=2, error=None, hook=False, flushed=True):
         super().__init__(log, name)
-        self.polls, self.error = polls, error
+        self.polls, self.error, self.hook, self.flushed = polls, error, hook, flushed
 
     def collective_rpc(self, method, args=None, kwargs=None, timeout_s=None):
         if method == "vime_end_open_update":
             self._call("drop")
             return [{"ended": True}]
+        if method == core_commit.PROBE:
+            self._call("probe")
+            return [{"available": self.hook, "why": None if self.hook else "no hook"}]
+        if method == core_commit.COMMIT:
+            assert self.hook
+            self._call("commit", kwargs["weight_version"], kwargs["flush"])
+            return [
+                {"weight_version": kwargs["weight_version"], "prefix_cache_flushed": self.flushed}
+            ]
         assert method == "vime_shadow_ready" and float(kwargs["wait_s"]) < 1
         self._call("ready?")
         if self.error is not None:
@@ -306,6 +317,7 @@ class ShadowEngine(FakeEngine):
 
 
 def test_shadow_session_loads_before_the_pause_which_covers_only_the_swap(group):
+    """Engines without vime's engine-core hook: a keep pause brackets the swap."""
     log: list = []
     engines = [ShadowEngine(log, "e0"), ShadowEngine(log, "e1", polls=0)]
     report = run_sync_session(
@@ -318,13 +330,66 @@ def test_shadow_session_loads_before_the_pause_which_covers_only_the_swap(group)
     )
     e0 = [entry[1] for entry in log if entry[0] in ("e0", "trainer")]
     # Decoding goes on through start, send and the load; the keep pause brackets the swap.
-    assert e0 == ["start", "send", "ready?", "ready?", "ready?", "pause", "flush", "finish"] + [
-        "resume"
+    assert e0 == ["start", "send", "ready?", "ready?", "ready?", "probe", "pause", "flush"] + [
+        "finish",
+        "resume",
     ]
     assert ("e1", "finish", "4") in log
     assert set(report.seconds) >= {"start", "send", "stage", "pause", "finish", "resume"}
     swap = sum(report.seconds[k] for k in ("pause", "flush", "finish", "resume"))
     assert report.paused_s <= swap + 0.05 < report.total_s + 0.05
+
+
+@pytest.mark.parametrize("flushed", [True, False])
+def test_shadow_session_with_the_hook_swaps_between_two_steps_and_never_pauses(group, flushed):
+    """Every engine has the hook: one call per engine swaps, labels and flushes; no pause, no
+    resume; the prefix cache counts as flushed only where every engine reset it."""
+    log: list = []
+    engines = [ShadowEngine(log, "e0", hook=True), ShadowEngine(log, "e1", polls=0, hook=True)]
+    engines[1].flushed = flushed
+    report = run_sync_session(
+        engines=engines,
+        group=group,
+        weight_version=7,
+        pp_size=1,
+        stage_part=lambda stage: lambda: log.append(("trainer", "send")),
+        shadow=True,
+    )
+    e0 = [entry[1:] for entry in log if entry[0] == "e0"]
+    assert e0 == [
+        ("start",),
+        ("ready?",),
+        ("ready?",),
+        ("ready?",),
+        ("probe",),
+        ("commit", "7", "1"),
+    ]
+    assert ("e1", "commit", "7", "1") in log
+    assert report.prefix_cache_flushed is flushed
+    assert report.paused_s == report.seconds["finish"]
+
+
+def test_shadow_session_pauses_for_the_swap_when_one_engine_lacks_the_hook_or_the_cache_is_cleared(
+    group,
+):
+    for hooks, clear_cache in (((True, False), False), ((True, True), True)):
+        log: list = []
+        engines = [ShadowEngine(log, f"e{i}", polls=0, hook=hook) for i, hook in enumerate(hooks)]
+        run_sync_session(
+            engines=engines,
+            group=group,
+            weight_version=8,
+            pp_size=1,
+            stage_part=lambda stage: None,
+            shadow=True,
+            clear_cache=clear_cache,
+        )
+        for name in ("e0", "e1"):
+            calls = [entry[1] for entry in log if entry[0] == name]
+            assert "commit" not in calls and "pause" in calls, calls
+            assert calls[-2:] == ["finish", "resume"], calls
+            # clear_cache: the keep pause clears the cache itself; the hook is not asked.
+            assert ("probe" in calls) is not clear_cache
 
 
 def test_a_failed_shadow_load_is_never_swapped_in_nor_paused(group):
@@ -347,3 +412,14 @@ def test_a_failed_shadow_load_is_never_swapped_in_nor_paused(group):
         # Dropped, never finished (a finish would swap in what had loaded): nothing swapped in,
         # the engines serve their version under its label.
         assert ("drop",) in calls and not any(call[0] == "finish" for call in calls)
+
+
+def test_the_engine_core_hook_wraps_collective_rpc_once():
+    """vLLM loads general plugins more than once per process: one wrap, vLLM's method inside."""
+    from vllm.v1.engine.core import EngineCore
+
+    core_commit.register()
+    wrapped = EngineCore.collective_rpc
+    assert wrapped.vime_hook
+    core_commit.register()
+    assert EngineCore.collective_rpc is wrapped

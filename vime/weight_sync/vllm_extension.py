@@ -30,6 +30,9 @@ every HF-named tensor, to check after), `vime_device_id` (the device a
 colocated worker reads its buffers on) and
 `vime_weight_update_stats` (where the last update's time went on the worker),
 `vime_shadow_ready` (whether an update loading beside the served weights is ready to swap),
+`vime_commit_between_steps[_available]` (answered by the engine core where vime's hook is
+loaded, `engine.core_commit`: the swap and its label in one call; here only the answers for an
+engine without it),
 `vime_rebuild_tied_kernels` (after vLLM's own reload_weights: a tied head's CPU kernel) and
 `vime_end_open_update` (ends an update a trainer that died mid-sync left open), and
 `vime_peer_copy_source` / `vime_peer_copy_send` / `vime_peer_copy_receive` (a live engine
@@ -46,6 +49,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vime.weight_sync.buckets import dtype_name, tensor_digest
 from vime.weight_sync.engine.broadcast import BroadcastWeightTransferEngine
 from vime.weight_sync.engine.colocated import ColocatedWeightTransferEngine
+from vime.weight_sync.engine.core_commit import NOT_LOADED
 from vime.weight_sync.engine.peer_copy import peer_copy_tensors, receive_peer_copy, send_peer_copy
 from vime.weight_sync.engine.readback import record_load_digests, served_shards
 from vime.weight_sync.names import BROADCAST_BACKEND, COLOCATED_BACKEND
@@ -96,6 +100,15 @@ class VimeWorkerExtension:
         if engine is None or not hasattr(engine, "shadow_status"):
             return {"ready": False, "error": "this engine has no vime weight-transfer backend"}
         return engine.shadow_status(float(wait_s))
+
+    # Answered by the engine core itself where vime's hook is loaded (`engine.core_commit`); these
+    # two run only where it is not.
+    def vime_commit_between_steps_available(self) -> dict[str, Any]:
+        """{"available": False}: this engine cannot swap and label in one engine-core call."""
+        return {"available": False, "why": NOT_LOADED}
+
+    def vime_commit_between_steps(self, **kwargs: str) -> dict[str, Any]:
+        raise RuntimeError(NOT_LOADED)
 
     def vime_rebuild_tied_kernels(self) -> dict[str, int]:
         """After vLLM's own `reload_weights` on CPU: rebuild the kernel of a head tied to the
