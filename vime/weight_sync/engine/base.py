@@ -125,7 +125,8 @@ class BucketEngine(WeightTransferEngine):
         shadow_bytes = 0
         if self.shadow_mode:
             shadow_bytes = check_can_shadow(self.model, self.model_config, self.device)  # now
-            self._shadow = ShadowLoad(self.model)
+            threads = self._load_threads  # the extra cores of cpu_sync_load_cores, if any
+            self._shadow = ShadowLoad(self.model, threads.extra if threads is not None else ())
         else:
             initialize_layerwise_reload(self.model)
         self._expert_prefixes = set()

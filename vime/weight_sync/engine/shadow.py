@@ -12,12 +12,14 @@ the engine keeps decoding on the served modules:
   processed values into the served tensors in place: exactly what must not happen here);
 - buckets load into the copy through the model's own `load_weights`; a layer whose weights are
   all in is materialized, loaded and processed (on CPU: repacked into oneDNN kernels, kept in
-  `cpu_linear`) on the load thread, in memory of its own;
+  `cpu_linear`) on the load thread, in memory of its own; the load thread runs on the sync-load
+  cores beyond the worker's own where there are any, off the core that decodes;
 - `seal` (run on the load thread once the last bucket is in) processes layers that loaded part of
   their elements (padding), gives tied modules (a head sharing the embedding's weight) the new
   tensor and reprocesses them, and re-runs the CPU MoE prepack on the copy;
-- `commit`, on the worker's own thread between two scheduler steps (the session holds the engine
-  in a keep pause around it, so each token's weight version stays exact), swaps into each served
+- `commit`, on the worker's own thread between two scheduler steps (in the engine-core call that
+  also sets the version label, `core_commit`, or inside a keep pause where that hook is missing:
+  either way each token's weight version stays exact), swaps into each served
   module that loaded something its copy's parameter and persistent-buffer dicts and every
   attribute its processing changed (the kernel handles): dictionary assignments, no bytes moved.
 
@@ -34,10 +36,11 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import MethodType
 from typing import Any
 
@@ -124,7 +127,10 @@ class ShadowLoad:
     swaps it in. Call `submit` per bucket, then `status` until ready, then `commit` (or
     `discard`)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, cores: Sequence[int] = ()):
+        """`cores`: CPUs for the load thread other than those the worker decodes on (the
+        engine's `cpu_sync_load_cores` beyond its own); none: the worker's own, shared with
+        decoding."""
         from vllm.model_executor.model_loader.reload.layerwise import (
             LAYERWISE_INFO,
             get_layerwise_info,
@@ -173,13 +179,20 @@ class ShadowLoad:
         self._sealed = False
         self._dropped = False
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._work, name="vime-shadow-load", daemon=True)
+        self._thread = threading.Thread(
+            target=self._work, args=(tuple(cores),), name="vime-shadow-load", daemon=True
+        )
         setattr(self._thread, SHADOW_OF_THREAD, self)
         self._thread.start()
 
     # -- the load thread ---------------------------------------------------------------------
 
-    def _work(self) -> None:
+    def _work(self, cores: Sequence[int]) -> None:
+        if cores:  # off the cores the worker decodes on, so the load does not slow decoding
+            try:
+                os.sched_setaffinity(0, set(cores))  # this thread only (Linux: pid 0 = caller)
+            except OSError as exc:
+                logger.warning("shadow load thread not pinned to cores %s: %s", list(cores), exc)
         while True:
             job = self._jobs.get()
             if job is None:
