@@ -67,9 +67,17 @@ class StreamProbe:
         self._thread = threading.Thread(target=run, name="vime-stream-probe", daemon=True)
         self._thread.start()
 
-    def wait_streaming(self, timeout_s: float = 120) -> None:
+    def wait_streaming(self, timeout_s: float = 120, chunks: int = 8) -> None:
+        """Until the stream has delivered `chunks` chunks (its pace before the sync, `step_gap_s`)
+        or ended."""
         if not self.streaming.wait(timeout_s):
             raise TimeoutError(f"the probe request produced no token in {timeout_s:g} s")
+        deadline = time.monotonic() + timeout_s
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            result = self.result
+            if result is not None and len(result.chunk_times) >= chunks:
+                return
+            time.sleep(0.005)
 
     def mark_sync(self) -> None:
         """The sync starts now: `longest_gap_s` looks at the stream from here on."""
@@ -94,6 +102,16 @@ class StreamProbe:
         first = max(bisect.bisect_left(times, self.sync_began) - 1, 0)
         window = times[first : switched + 1]
         return max((b - a for a, b in zip(window, window[1:], strict=False)), default=math.nan)
+
+    def step_gap_s(self) -> float:
+        """The stream's own pace: the median gap between two chunks before `mark_sync` (about
+        one decode step and the stream's delivery), against which the stall reads."""
+        result = self.result
+        if result is None or self.sync_began is None:
+            return math.nan
+        before = [t for t in result.chunk_times if t <= self.sync_began]
+        gaps = sorted(b - a for a, b in zip(before, before[1:], strict=False))
+        return gaps[len(gaps) // 2] if gaps else math.nan
 
     def stall_s(self, timeout_s: float = 120) -> float:
         """Once the sync is done: wait for a token of the new version, stop the request, and

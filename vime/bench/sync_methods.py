@@ -116,6 +116,7 @@ def bench_updater(
         report = updater.update_weights()
         stall = probe.stall_s() if probe is not None else math.nan
         longest_gap = probe.longest_gap_s() if probe is not None else math.nan
+        step_gap = probe.step_gap_s() if probe is not None else math.nan
         stats = engine.collective_rpc("vime_weight_update_stats")[0] if is_rank0 else {}
         if is_rank0:
             measurement.engine_rss_gib.append(engine_rss_gib(engine))
@@ -123,7 +124,7 @@ def bench_updater(
             row = sync_phases(report, stats)
             if is_rank0:
                 row["paused"], row["stall"] = report.paused_s, stall
-                row["longest_gap"] = longest_gap
+                row["longest_gap"], row["step_gap"] = longest_gap, step_gap
             measurement.iterations.append(row)
             measurement.engine_stats.append(stats)
         else:

@@ -167,7 +167,8 @@ def shadow_line(method: str, iterations: list[dict[str, float]], typical: dict) 
         f"{middle('paused'):.3f} s (the swap) while their load beside the served weights took "
         f"{typical.get('engine_load', NAN):.3f} s; a request streaming through it stood still "
         f"{middle('stall'):.3f} s at the switch, its longest gap during the sync "
-        f"{middle('longest_gap'):.3f} s (medians of {len(iterations)})"
+        f"{middle('longest_gap'):.3f} s, against {middle('step_gap'):.3f} s between two of its "
+        f"chunks before the sync (medians of {len(iterations)})"
     )
 
 
