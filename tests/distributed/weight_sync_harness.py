@@ -304,7 +304,7 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
             gate = VLLMEngine(engine_config, url=step.engine_urls[0])
             inflight = _start_frozen_request(gate)
             if step.shadow:
-                _release_when_staged(gate)
+                _release_before_the_commit(gate)
         try:
             record["report"] = updater.update_weights(version=step.version)
         except Exception as exc:
@@ -360,22 +360,23 @@ def _break_after_first_bucket(updater, kill: bool = False) -> None:
     transport.send_buckets = send_buckets
 
 
-def _release_when_staged(gate) -> None:
-    """For the next sync only (weight_sync.shadow): once the engines have the update loaded
-    beside the served weights, resume `gate`, frozen by `_start_frozen_request`: the request
-    decodes on the old weights again, and a commit between two steps, which pauses nothing,
-    lands while it does (a request of INFLIGHT_TOKENS cannot end in the few round trips
-    between this resume and that commit)."""
-    from vime.weight_sync import engine_control
+def _release_before_the_commit(gate) -> None:
+    """For the next sync only (weight_sync.shadow with the engine-core hook): resume `gate`,
+    frozen by `_start_frozen_request`, right before the commit is sent: the request decodes on
+    the old weights again and the commit, which pauses nothing, lands one HTTP round trip later,
+    while it decodes. (The tiny model makes its 2000 tokens in a fraction of a second, so a
+    request can still end first on a loaded machine: the test runs several such syncs and
+    checks those whose request spanned the switch.)"""
+    from vime.weight_sync.engine_control import EngineControl
 
-    original = engine_control.wait_staged
+    original = EngineControl.commit_between_steps
 
-    def wait_then_release(engine, timeout_s: float) -> None:
-        engine_control.wait_staged = original
-        original(engine, timeout_s)
+    def release_then_commit(self, version: str) -> bool:
+        EngineControl.commit_between_steps = original  # type: ignore[method-assign]
         gate.continue_generation()
+        return original(self, version)
 
-    engine_control.wait_staged = wait_then_release
+    EngineControl.commit_between_steps = release_then_commit  # type: ignore[method-assign]
 
 
 def _probe_when_staged(record: dict) -> None:
