@@ -61,7 +61,8 @@ class SyncReport:
     # A delta sync failed and the same version then went in full before the engines resumed.
     repaired: bool = False
     # Rank 0: from the pause request to the resume's answer, the longest the engines can have
-    # stood still for this sync (0.0 on other ranks, and where the caller keeps them paused).
+    # stood still for this sync (0.0 on other ranks, and where the caller keeps them paused);
+    # a shadow commit between two steps: its finish step, which pauses nothing.
     paused_s: float = 0.0
 
     @property
