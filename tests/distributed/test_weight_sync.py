@@ -110,8 +110,8 @@ def tp1_run(servers, model_dir, model_builder, tmp_path_factory):
             )
             for version in (first, first + 1)
         ),
-        # weight_sync.shadow with a request decoding through the commit (never paused), three
-        # times per transport (a request of the tiny model may end before the commit lands).
+        # weight_sync.shadow with a request in flight across the one-call commit (the session
+        # pauses nothing), three times per transport.
         *(SyncStep("gloo", a, version=v, shadow=True, inflight=True) for v in (10, 11, 12)),
         *(SyncStep("shm", b, version=v, shadow=True, inflight=True) for v in (10, 11, 12)),
     )
@@ -413,14 +413,11 @@ def test_request_in_flight_continues_on_new_weights(tp1_run, index):
 
 @pytest.mark.parametrize("first, before", [(20, 15), (23, 19)], ids=["gloo", "shm"])
 def test_shadow_swap_between_two_steps_labels_every_token_exactly(tp1_run, hf, first, before):
-    """weight_sync.shadow with vime's engine-core hook: the engine is never paused; the swap,
-    its label and the flush land in one engine-core call between two steps of a request that
-    decodes through it, and each of its tokens is labelled with the weights that made it.
-    Three such syncs per transport; each is exact, and each whose request was still decoding
-    when the commit landed (the commit then could not reset the prefix cache) is checked token
-    by token; at least one must be."""
+    """weight_sync.shadow with vime's engine-core hook: the session pauses nothing; the swap,
+    its label and the flush land in one engine-core call between two steps of a request (held
+    mid-generation by the test's own keep pause, released right after the commit), and each of
+    its tokens is labelled with the weights that made it. Three such syncs per transport."""
     records, exported = tp1_run
-    spanned = 0
     for index in range(first, first + 3):
         record = records[index]
         report = record["report"]
@@ -428,14 +425,9 @@ def test_shadow_swap_between_two_steps_labels_every_token_exactly(tp1_run, hf, f
         (engine,) = record["engines"]
         assert engine["weight_version"] == str(record["step"].version)
         assert engine["is_paused"] is False
-        versions = set(record["inflight"]["weight_versions"])
-        if report.prefix_cache_flushed:  # the request had ended: all on the old weights
-            assert str(record["step"].version) not in versions
-            continue
-        spanned += 1
+        assert report.prefix_cache_flushed is False  # the request held blocks: tried, not forced
         previous = before if index == first else index - 1
         assert_switched_between_two_steps(record, exported[previous], exported[index], hf)
-    assert spanned > 0, "no request was still decoding when its commit landed"
 
 
 def test_clear_cache_switch_continues_like_a_fresh_model(tp1_run, hf):

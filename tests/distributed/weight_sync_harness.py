@@ -304,7 +304,7 @@ def _run(rank: int, world_size: int, port: int, job: SyncJob, out_dir: Path) -> 
             gate = VLLMEngine(engine_config, url=step.engine_urls[0])
             inflight = _start_frozen_request(gate)
             if step.shadow:
-                _release_before_the_commit(gate)
+                _release_after_the_commit(gate)
         try:
             record["report"] = updater.update_weights(version=step.version)
         except Exception as exc:
@@ -360,23 +360,24 @@ def _break_after_first_bucket(updater, kill: bool = False) -> None:
     transport.send_buckets = send_buckets
 
 
-def _release_before_the_commit(gate) -> None:
-    """For the next sync only (weight_sync.shadow with the engine-core hook): resume `gate`,
-    frozen by `_start_frozen_request`, right before the commit is sent: the request decodes on
-    the old weights again and the commit, which pauses nothing, lands one HTTP round trip later,
-    while it decodes. (The tiny model makes its 2000 tokens in a fraction of a second, so a
-    request can still end first on a loaded machine: the test runs several such syncs and
-    checks those whose request spanned the switch.)"""
+def _release_after_the_commit(gate) -> None:
+    """For the next sync only (weight_sync.shadow with the engine-core hook, which pauses
+    nothing): the request `_start_frozen_request` froze stays frozen, holding its KV blocks,
+    until the one-call commit has swapped and labelled; then `gate` resumes it, and it decodes
+    on the new weights. Whatever the machine's load, the switch falls inside the request (a
+    tiny-model request released before the commit can end before the commit lands)."""
     from vime.weight_sync.engine_control import EngineControl
 
     original = EngineControl.commit_between_steps
 
-    def release_then_commit(self, version: str) -> bool:
+    def commit_then_release(self, version: str) -> bool:
         EngineControl.commit_between_steps = original  # type: ignore[method-assign]
-        gate.continue_generation()
-        return original(self, version)
+        try:
+            return original(self, version)
+        finally:
+            gate.continue_generation()
 
-    EngineControl.commit_between_steps = release_then_commit  # type: ignore[method-assign]
+    EngineControl.commit_between_steps = commit_then_release  # type: ignore[method-assign]
 
 
 def _probe_when_staged(record: dict) -> None:
