@@ -316,18 +316,26 @@ class ShadowEngine(FakeEngine):
         return [{"ready": self.polls < 0, "error": None}]
 
 
+def _shadow_sync(group, engines, weight_version, log=None, clear_cache=False):
+    """A shadow sync of `engines`; the trainer's send appends ("trainer", "send") to `log`."""
+    return run_sync_session(
+        engines=engines,
+        group=group,
+        weight_version=weight_version,
+        pp_size=1,
+        stage_part=lambda stage: (
+            (lambda: log.append(("trainer", "send"))) if log is not None else None
+        ),
+        shadow=True,
+        clear_cache=clear_cache,
+    )
+
+
 def test_shadow_session_loads_before_the_pause_which_covers_only_the_swap(group):
     """Engines without vime's engine-core hook: a keep pause brackets the swap."""
     log: list = []
     engines = [ShadowEngine(log, "e0"), ShadowEngine(log, "e1", polls=0)]
-    report = run_sync_session(
-        engines=engines,
-        group=group,
-        weight_version=4,
-        pp_size=1,
-        stage_part=lambda stage: lambda: log.append(("trainer", "send")),
-        shadow=True,
-    )
+    report = _shadow_sync(group, engines, 4, log)
     e0 = [entry[1] for entry in log if entry[0] in ("e0", "trainer")]
     # Decoding goes on through start, send and the load; the keep pause brackets the swap.
     assert e0 == ["start", "send", "ready?", "ready?", "ready?", "probe", "pause", "flush"] + [
@@ -345,16 +353,11 @@ def test_shadow_session_with_the_hook_swaps_between_two_steps_and_never_pauses(g
     """Every engine has the hook: one call per engine swaps, labels and flushes; no pause, no
     resume; the prefix cache counts as flushed only where every engine reset it."""
     log: list = []
-    engines = [ShadowEngine(log, "e0", hook=True), ShadowEngine(log, "e1", polls=0, hook=True)]
-    engines[1].flushed = flushed
-    report = run_sync_session(
-        engines=engines,
-        group=group,
-        weight_version=7,
-        pp_size=1,
-        stage_part=lambda stage: lambda: log.append(("trainer", "send")),
-        shadow=True,
-    )
+    engines = [
+        ShadowEngine(log, "e0", hook=True),
+        ShadowEngine(log, "e1", polls=0, hook=True, flushed=flushed),
+    ]
+    report = _shadow_sync(group, engines, 7, log)
     e0 = [entry[1:] for entry in log if entry[0] == "e0"]
     assert e0 == [
         ("start",),
@@ -375,15 +378,7 @@ def test_shadow_session_pauses_for_the_swap_when_one_engine_lacks_the_hook_or_th
     for hooks, clear_cache in (((True, False), False), ((True, True), True)):
         log: list = []
         engines = [ShadowEngine(log, f"e{i}", polls=0, hook=hook) for i, hook in enumerate(hooks)]
-        run_sync_session(
-            engines=engines,
-            group=group,
-            weight_version=8,
-            pp_size=1,
-            stage_part=lambda stage: None,
-            shadow=True,
-            clear_cache=clear_cache,
-        )
+        _shadow_sync(group, engines, 8, clear_cache=clear_cache)
         for name in ("e0", "e1"):
             calls = [entry[1] for entry in log if entry[0] == name]
             assert "commit" not in calls and "pause" in calls, calls
