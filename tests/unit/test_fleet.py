@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 from collections.abc import AsyncIterator
 
 import pydantic
@@ -14,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from vime.config import FleetConfig, ScaleUpPolicy, TrainConfig
+from vime.engines import generation
 from vime.engines.generate_api import SamplingConfig
 from vime.engines.generation import GenerationClient
 from vime.fleet.requests import REQUESTS_FILE, request_change
@@ -91,6 +93,41 @@ def test_joiners_serve_only_once_marked_up_and_drained_engines_finish_what_they_
                     client.add_engine(url1 + "/")
 
     asyncio.run(run())
+
+
+def test_an_engine_set_change_from_another_thread_is_seen_when_the_call_returns(monkeypatch):
+    """The job's thread marks engines up and down while the client's loop runs in another thread
+    (the rollout's): the call returns once the loop has made the change, so `serving()` read right
+    after it is current; a loop that does not run the change within the timeout is an error."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    client = GenerationClient(["http://127.0.0.1:9", "http://127.0.0.1:10"])
+    try:
+        # The client adopts the loop its first request runs on; engine 0 is up, so this returns.
+        asyncio.run_coroutine_threadsafe(client._wait_for_engine(0), loop).result(timeout=10)
+        client.mark_down(1)
+        assert client.serving() == [0]
+
+        # The loop is busy (a gate the test holds) when the change is asked for: the call waits.
+        gate = threading.Event()
+        loop.call_soon_threadsafe(gate.wait, 30)
+        threading.Timer(0.05, gate.set).start()
+        client.mark_up(1)
+        assert gate.is_set() and client.serving() == [0, 1]
+
+        monkeypatch.setattr(generation, "_LOOP_CALL_TIMEOUT_S", 0.2)
+        gate = threading.Event()
+        loop.call_soon_threadsafe(gate.wait, 30)
+        with pytest.raises(TimeoutError, match="did not run an engine-set change within"):
+            client.drain(0)
+        gate.set()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+    client.mark_down(0)  # the loop is closed: the change is made in the caller's thread
+    assert client.serving() == [1]
 
 
 def test_a_group_shares_one_engine_least_loaded_between_groups_and_moves_when_it_goes_down():

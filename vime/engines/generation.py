@@ -11,6 +11,7 @@ expanded here into one version per generated token.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
 import uuid
@@ -28,6 +29,9 @@ from vime.engines.generate_api import (
     cached_tokens,
     expand_weight_versions,
 )
+
+# How long a change of the engine sets from another thread waits for the client's loop to run it.
+_LOOP_CALL_TIMEOUT_S = 30.0
 
 MAX_RESUBMISSIONS = 8  # a request lost with its engine is resubmitted at most this often
 
@@ -241,10 +245,36 @@ class GenerationClient:
             self._changed = asyncio.Event()
 
     def _call_in_loop(self, function: Callable[..., None], *args: Any) -> None:
-        if self._loop is None:  # nothing generated yet: no loop, no task to cancel
+        """Run a change of the engine sets where the client's requests see it: on its event loop.
+        From another thread this returns once the loop has run the change (a caller that reads
+        `serving()` right after sees it), or raises after `_LOOP_CALL_TIMEOUT_S`."""
+        loop = self._loop
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        # No loop yet (nothing generated), the loop's own thread, or a loop no longer running
+        # (the client is closed): no other thread can read or change the sets concurrently.
+        if loop is None or here is loop or loop.is_closed() or not loop.is_running():
             function(*args)
-        else:
-            self._loop.call_soon_threadsafe(function, *args)
+            return
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                function(*args)
+                done.set_result(None)
+            except BaseException as error:  # the caller's thread raises it
+                done.set_exception(error)
+
+        loop.call_soon_threadsafe(run)
+        try:
+            done.result(timeout=_LOOP_CALL_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"the generation client's event loop did not run an engine-set change within "
+                f"{_LOOP_CALL_TIMEOUT_S:.0f} s: is something blocking that loop's thread?"
+            ) from None
 
     def _set_down(self, url: str, down: bool) -> None:
         if down:
