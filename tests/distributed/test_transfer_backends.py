@@ -21,6 +21,7 @@ from vime.testing.hf import hf_greedy
 from vime.testing.tiny_model import build_tiny_model
 from vime.weight_sync.buckets import check_against_engine, pack, plan_buckets, tensor_digest
 from vime.weight_sync.devices.cpu import ShmHandles
+from vime.weight_sync.transports.base import filled_ahead
 from vime.weight_sync.transports.broadcast import BroadcastTransport
 from vime.weight_sync.transports.colocated import ColocatedTransport
 
@@ -282,15 +283,32 @@ def test_shm_backend_syncs_exact_weights_and_cleans_up(servers, reference):
         assert transport.num_bytes_held >= sum(b.nbytes for b in buckets)
         _check_served(server, reference, "old", "2")
 
+        # Filled ahead (weight_sync.pack_before_pause): every segment refilled before the
+        # engine pauses, while it serves; send_buckets then only posts them.
+        transport.prefill(buckets, _filler(new))
+        infos.clear()
+
+        def post_filled() -> None:
+            infos.extend(transport.send_buckets(buckets, filled_ahead, [update]))
+
+        _sync(server, post_filled, version="3")
+        assert _segment_names(infos) == first_names
+        _check_served(server, reference, "new", "3")
+
         # A rejected update (no start_weight_update) drops every segment: the engine may hold
         # views of them, so the next sync starts with new ones.
         with pytest.raises(RuntimeError, match="start_weight_update"):
-            transport.send_buckets(buckets, _filler(new), [update])
+            transport.send_buckets(buckets, _filler(old), [update])
         assert transport.num_bytes_held == 0
         infos.clear()
-        _sync(server, send_all, version="3")
+        _sync(server, send_old, version="4")
         assert not set(_segment_names(infos)) & set(first_names)
-        _check_served(server, reference, "new", "3")
+        _check_served(server, reference, "old", "4")
+        # Posting other buckets than those filled ahead is refused, and drops the buffers.
+        transport.prefill(buckets, _filler(new))
+        with pytest.raises(ValueError, match="send exactly the buckets that were filled ahead"):
+            transport.send_buckets(buckets[1:], filled_ahead, [update])
+        assert transport.num_bytes_held == 0
         # A new segment handed out but never sent is unlinked by close().
         transport.discard()
         transport.buffer_for(buckets[0])

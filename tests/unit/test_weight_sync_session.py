@@ -92,6 +92,38 @@ def test_session_runs_phases_in_order(group):
     assert set(report.seconds) == {"pause", "flush", "start", "send", "finish", "resume"}
 
 
+def test_prepare_runs_before_any_engine_call_and_its_failure_calls_no_engine(group):
+    """`prepare` (a colocated sender's gather and pack, weight_sync.pack_before_pause) runs
+    before the pause, outside `paused_s`; when it fails no engine was paused or started."""
+    log: list = []
+    report = run_sync_session(
+        engines=[FakeEngine(log, "e0")],
+        group=group,
+        weight_version=3,
+        **ONE_STAGE,
+        stage_part=lambda stage: lambda: log.append(("trainer", "post")),
+        prepare=lambda: (time.sleep(0.2), log.append(("trainer", "pack"))),
+    )
+    assert [entry[1] for entry in log] == [
+        "pack", "pause", "flush", "start", "post", "finish", "resume"
+    ]  # fmt: skip
+    assert list(report.seconds)[0] == "prepare" and report.seconds["prepare"] >= 0.2
+    assert report.paused_s < report.total_s - 0.2  # the pack is not in the engines' pause
+
+    log.clear()
+    with pytest.raises(WeightSyncError, match="'prepare' failed") as failed:
+        run_sync_session(
+            engines=[FakeEngine(log, "e0")],
+            group=group,
+            weight_version=4,
+            **ONE_STAGE,
+            stage_part=lambda stage: lambda: log.append(("trainer", "post")),
+            prepare=lambda: (_ for _ in ()).throw(RuntimeError("gather timed out")),
+        )
+    assert failed.value.phase == "prepare"
+    assert [entry[1] for entry in log] == []  # no pause, so nothing to resume either
+
+
 def test_clear_cache_pause_needs_no_flush_call(group):
     log: list = []
     report = run_sync_session(

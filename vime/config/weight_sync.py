@@ -174,6 +174,17 @@ class WeightSyncConfig(StrictModel):
             "fit). CPU engines with enforce_eager only."
         ),
     )
+    pack_before_pause: bool = Field(
+        True,
+        description=(
+            "Colocated transports (shm, ipc): gather and pack every bucket into its kept buffer "
+            "before the engines pause, so the pause holds only the engines' load. False: bucket "
+            "i+1 is packed while the engines load bucket i, inside the pause. The same memory "
+            "either way (each bucket keeps its buffer). Broadcast transports (one buffer "
+            "refilled per bucket in flight) and shadow syncs (no pause around the send) always "
+            "pack as they send."
+        ),
+    )
     clear_cache_on_pause: bool = Field(
         False,
         description=(
@@ -208,6 +219,14 @@ class WeightSyncConfig(StrictModel):
             "CPU a matrix product per layer, ~0.4 s for 135M parameters on one core)."
         ),
     )
+
+    @property
+    def fills_ahead(self) -> bool:
+        """Whether a sync gathers and packs before the engines pause (`pack_before_pause`
+        where it applies: a colocated transport, no shadow)."""
+        return (
+            self.pack_before_pause and self.transport.sync_shape == "colocated" and not self.shadow
+        )
 
     @model_validator(mode="before")
     @classmethod

@@ -1,18 +1,19 @@
 """The weight-sync session: the one place that orders pause, update and resume across trainer ranks.
 
-`run_sync_session` is the whole sync, top to bottom: rank 0 pauses every engine (keep) and
-flushes their prefix caches, starts the update, each pipeline stage sends in its turn, rank 0
-finishes the update with the new version and resumes the engines. With `shadow` (engines that
-load beside the served weights, `weight_sync.shadow`) the engines keep decoding through start,
-send and their load (`stage`: rank 0 waits until every engine has the update ready); then, where
-every engine has vime's engine-core hook (`engine.core_commit`) and the cache is not cleared,
-`finish` swaps, labels and flushes in one engine-core call between two scheduler steps and the
-engines are never paused; otherwise a keep pause covers only the swap: pause, flush, finish,
-verify, resume. Every trainer rank runs the
-same lines (ranks other than 0 with no engines to call), and every step ends in a *checked
-barrier* on the gloo `group`: each rank says whether its part failed, so a failure anywhere stops
-every rank at the same point, each wait bounded by a timeout. Two context managers undo what a
-failure leaves open: `updating` ends an update that started, `paused` resumes the engines.
+`run_sync_session` is the whole sync, top to bottom: every rank first does what needs no engine
+(`prepare`: colocated senders gather and pack into their kept buffers), rank 0 pauses every
+engine (keep) and flushes their prefix caches, starts the update, each pipeline stage sends in
+its turn, rank 0 finishes the update with the new version and resumes the engines. With
+`shadow` (engines that load beside the served weights, `weight_sync.shadow`) the engines keep
+decoding through start, send and their load (`stage`: rank 0 waits until every engine has the
+update ready); then, where every engine has vime's engine-core hook (`engine.core_commit`) and
+the cache is not cleared, `finish` swaps, labels and flushes in one engine-core call between two
+scheduler steps and the engines are never paused; otherwise a keep pause covers only the swap:
+pause, flush, finish, verify, resume. Every trainer rank runs the same lines (ranks other than 0
+with no engines to call), and every step ends in a *checked barrier* on the gloo `group`: each
+rank says whether its part failed, so a failure anywhere stops every rank at the same point,
+each wait bounded by a timeout. Two context managers undo what a failure leaves open:
+`updating` ends an update that started, `paused` resumes the engines.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def run_sync_session(
     pp_size: int,
     stage_part: Callable[[int], Callable[[], None] | None],
     verify: Callable[[], None] | None = None,
+    prepare: Callable[[], None] | None = None,
     clear_cache: bool = False,
     shadow: bool = False,
     resume_on_failure: bool = True,
@@ -120,6 +122,8 @@ def run_sync_session(
     With clear_cache=False and requests in flight, the frozen requests hold KV blocks and the
     prefix cache cannot be flushed before resume: that is reported as
     `prefix_cache_flushed=False` and logged, not raised. `verify`, if given, runs on every rank.
+    `prepare`, if given (on every rank or on none), runs on every rank before the first engine
+    call: work that needs no engine, such as filling the buckets ahead, so the pause leaves it out.
 
     On a failure every rank raises WeightSyncError naming the step (and the engine, on rank 0).
     Before that rank 0 ends an open update with version "<weight_version>-failed" (weights may
@@ -161,6 +165,8 @@ def run_sync_session(
         else:
             control.finish(str(weight_version))
 
+    if prepare is not None:
+        step("prepare", prepare)
     paused_at = time.monotonic()
     with control.paused(resume_on_failure):
         with control.updating(weight_version, shadow):

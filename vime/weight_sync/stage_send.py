@@ -7,6 +7,11 @@ colocated transport receives the stage's buckets for its device after its own ga
 verification the sender digests each distinct slice an engine worker serves of what it sent, on
 a thread of its own while the buckets travel (the hash and torch's copies release the GIL), and
 waits for those digests before its stage's turn ends.
+
+With `ahead` (colocated transports, weight_sync.pack_before_pause) every rank gathers, and each
+sender encodes and packs its stage's buckets into the transport's kept buffers, in `prepare`,
+before the engines pause; the stage's turn then only posts them, so the pause holds the engines'
+load and not the trainer's packing.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from vime.weight_sync.checks import Served, digest
 from vime.weight_sync.delta import DeltaEncoder, DeltaStats
 from vime.weight_sync.shards import WorkerLayout
 from vime.weight_sync.transports import Transport
+from vime.weight_sync.transports.base import FillBucket, filled_ahead
 from vime.weight_sync.transports.colocated import ColocatedTransport
 
 
@@ -49,10 +55,16 @@ class StageSend:
         bucket_bytes: int,
         timeout: timedelta,
         timer: PhaseTimer,
+        ahead: bool = False,
     ):
         """`transport`: this rank's, if it sends its stage (None otherwise). `engine_layouts`:
         each engine worker's served dtypes and slices, to digest what is sent (None: no
-        verification)."""
+        verification). `ahead`: gather and pack in `prepare` (the same on every rank; the
+        senders' transports must have `fills_ahead`)."""
+        if ahead and transport is not None and not transport.fills_ahead:
+            raise ValueError(f"{type(transport).__name__} cannot fill its buckets ahead")
+        self.ahead = ahead
+        self._prepared: Sequence[Bucket] | None = None  # what `prepare` filled, to post
         self.mode = mode
         self.plan = plan
         self.gather_groups = gather_groups
@@ -77,8 +89,10 @@ class StageSend:
         """What this rank does in pipeline stage `stage`'s turn: its own stage's gather and send,
         then, if it holds that stage's buckets for its device, the holding (None: nothing)."""
         parts: list[Callable[[], None]] = []
-        if stage == self.pp_rank:
+        if stage == self.pp_rank and not self.ahead:
             parts.append(self.send_own_stage)
+        if stage == self.pp_rank and self.ahead and self.transport is not None:
+            parts.append(self._post_prepared)
         if stage in self.holding:
             parts.append(self.holding[stage].hold)
         if not parts:
@@ -90,8 +104,21 @@ class StageSend:
 
         return run
 
+    def prepare(self) -> None:
+        """With `ahead`, on every rank before the engines pause: this stage's gather and, on
+        its sender, every bucket filled (encoded first for a delta) and digested."""
+        assert self.ahead, "prepare() is for a StageSend made with ahead=True"
+        self.send_own_stage()
+
+    def _post_prepared(self) -> None:
+        assert self.transport is not None and self._prepared is not None
+        calls = [e.update_weights for e in self.engines]
+        with self.timer.phase("transport"):
+            self.transport.send_buckets(self._prepared, filled_ahead, calls)
+
     def send_own_stage(self) -> None:
-        """Gather (every rank of the stage), then on the sender the buckets in `mode`."""
+        """Gather (every rank of the stage), then on the sender the buckets in `mode` (with
+        `ahead`: filled, for `_post_prepared` to post in the stage's turn)."""
         assert self.plan is not None
         gathered = self._cast(
             self.plan.gather(self.gather_groups, timeout=self.timeout, timer=self.timer)
@@ -128,8 +155,7 @@ class StageSend:
                 buckets, entries, self.delta_stats = self.delta.buckets(
                     tensors, self.bucket_bytes, transport.alignment
                 )
-            with self.timer.phase("transport"):
-                transport.send_buckets(buckets, self._filler(entries), calls)
+            self._deliver(buckets, self._filler(entries), calls)
             return
 
         def fill(bucket: Bucket, buffer: torch.Tensor) -> None:
@@ -143,10 +169,19 @@ class StageSend:
         buckets = list(self.buckets)
         if self.mode != "dense":
             buckets = [replace(b, mode=self.mode) for b in buckets]
-        with self.timer.phase("transport"):
-            transport.send_buckets(buckets, fill, calls)
+        self._deliver(buckets, fill, calls)
         leftover = [name for name, _ in gathered]
         assert not leftover, f"gathered tensors missing from the bucket plan: {leftover}"
+
+    def _deliver(self, buckets: Sequence[Bucket], fill: FillBucket, calls: list[Any]) -> None:
+        """Send the buckets now, or with `ahead` fill them for the stage's turn to post."""
+        assert self.transport is not None
+        with self.timer.phase("transport"):
+            if self.ahead:
+                self.transport.prefill(buckets, fill)
+                self._prepared = buckets
+            else:
+                self.transport.send_buckets(buckets, fill, calls)
 
     def _cast(
         self, gathered: Iterator[tuple[str, torch.Tensor]]

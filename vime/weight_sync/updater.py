@@ -312,6 +312,7 @@ class WeightUpdater:
             bucket_bytes=self.config.update_weight_buffer_size,
             timeout=self._timeout,
             timer=self._send_timer,
+            ahead=self.config.fills_ahead,
         )
         verify = None
         if self.config.verify_checksums:
@@ -326,6 +327,7 @@ class WeightUpdater:
                 pp_size=self.topology.pp_size,
                 stage_part=send.part,
                 verify=verify,
+                prepare=send.prepare if self.config.fills_ahead else None,
                 clear_cache=self.config.clear_cache_on_pause,
                 shadow=self.config.shadow,
                 call_timeout_s=self.config.transfer_timeout_s,
@@ -383,11 +385,8 @@ class WeightUpdater:
         return self.update_weights(version=self.weight_version)
 
     def _send_breakdown(self) -> dict[str, float]:
-        """This rank's send phase split up: gather, convert, pack, checksum, transfer.
-
-        "transfer" is the rest of the time inside the transport: moving the bytes, the engines'
-        update_weights calls (their load included) and waiting for them.
-        """
+        """This rank's send split up: gather, convert, pack, checksum, and "transfer", the rest
+        of its time in the transport (moving bytes, the engines' update calls and their load)."""
         seconds = dict(self._send_timer.seconds)
         inside = seconds.pop("transport", 0.0)
         own = sum(seconds.get(k, 0.0) for k in ("gather", "convert", "pack", "checksum"))

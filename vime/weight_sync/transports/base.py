@@ -37,6 +37,10 @@ FillBucket = Callable[[Bucket, torch.Tensor], Any]
 """Writes a bucket's tensors into the given buffer, e.g. `lambda b, buf: pack(sd, b, buf)`."""
 
 
+def filled_ahead(bucket: Bucket, buffer: torch.Tensor) -> None:
+    """The fill to pass `send_buckets` for buckets `Transport.prefill` filled: nothing to do."""
+
+
 class InFlightCalls:
     """The same payload posted to every engine, each on its own thread, awaited with a deadline."""
 
@@ -116,6 +120,17 @@ class Transport(ABC):
     @abstractmethod
     def buffer_for(self, bucket: Bucket) -> torch.Tensor:
         """A uint8 buffer of at least bucket.nbytes to pack the bucket into before `send_bucket`."""
+
+    fills_ahead: ClassVar[bool] = False
+    """Whether `prefill` works: the transport keeps one buffer per bucket from sync to sync."""
+
+    def prefill(self, buckets: Sequence[Bucket], fill: FillBucket) -> None:
+        """Fill every bucket's buffer now (before the engines pause); the next `send_buckets`
+        of the same buckets then only posts them. Transports with `fills_ahead` only."""
+        raise NotImplementedError(
+            f"{type(self).__name__} refills one buffer per bucket in flight and cannot fill a "
+            "sync's buckets ahead (weight_sync.pack_before_pause applies to shm and ipc)"
+        )
 
     @abstractmethod
     def send_bucket(

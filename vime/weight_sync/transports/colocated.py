@@ -27,6 +27,8 @@ session fails) drops every buffer, and the next sync starts with new ones.
 A handle's name (a segment's path) is released as soon as every engine acknowledged its bucket.
 
 Without a spread, sending is pipelined: bucket i+1 is packed while the engines load bucket i.
+Or every bucket is filled before the engines pause (`prefill`, weight_sync.pack_before_pause):
+the buffers are kept anyway, and between syncs no engine reads them.
 """
 
 from __future__ import annotations
@@ -42,7 +44,13 @@ import torch.distributed as dist
 
 from vime.weight_sync.buckets import Bucket, buffers_to_drop
 from vime.weight_sync.devices import Handles
-from vime.weight_sync.transports.base import EngineCall, FillBucket, InFlightCalls, Transport
+from vime.weight_sync.transports.base import (
+    EngineCall,
+    FillBucket,
+    InFlightCalls,
+    Transport,
+    filled_ahead,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +86,7 @@ class ColocatedTransport(Transport):
     """One reusable buffer per bucket and one update_weights request per bucket."""
 
     backend = "vime_colocated"
+    fills_ahead = True
 
     def __init__(
         self,
@@ -98,6 +107,7 @@ class ColocatedTransport(Transport):
         self.spread = spread
         self._buffers: dict[int, _Buffer] = {}  # bucket index -> its buffer
         self._unused_syncs: dict[int, int] = {}  # bucket index -> syncs in a row without it
+        self._prefilled: list[int] | None = None  # the indices `prefill` filled for this sync
 
     def connect(self, init_calls: Sequence[EngineCall]) -> list[dict[str, Any]]:
         self.discard()  # engines that (re)join have opened none of the old buffers
@@ -145,9 +155,36 @@ class ColocatedTransport(Transport):
             self.discard()
             raise
 
+    def prefill(self, buckets: Sequence[Bucket], fill: FillBucket) -> None:
+        # Between two syncs no engine reads a buffer (finish released every view), so the
+        # buffers this sync will post can be refilled while the engines still decode.
+        self._prefilled = None
+        exported = self.spread is None or self.spread.holds
+        try:
+            for bucket in buckets:
+                if bucket.nbytes:
+                    buffer = self._buffer(bucket.index, bucket.nbytes, exported=exported)
+                    fill(bucket, buffer.tensor[: bucket.nbytes])
+                else:  # a delta's commit: no bytes, the filler still counts it
+                    fill(bucket, torch.empty(0, dtype=torch.uint8, device=self.device))
+            self._synchronize()
+        except BaseException:
+            self.discard()
+            raise
+        self._prefilled = [bucket.index for bucket in buckets]
+
     def send_buckets(
         self, buckets: Sequence[Bucket], fill: FillBucket, update_calls: Sequence[EngineCall]
     ) -> list[dict[str, Any]]:
+        prefilled, self._prefilled = self._prefilled, None
+        if prefilled is not None:
+            if [bucket.index for bucket in buckets] != prefilled:
+                self.discard()
+                raise ValueError(
+                    f"send_buckets got buckets {[b.index for b in buckets]} after prefill filled "
+                    f"{prefilled}: send exactly the buckets that were filled ahead"
+                )
+            fill = filled_ahead  # whatever the caller passed: the bytes are in
         try:
             if self.spread is None:
                 infos = self._send_pipelined(buckets, fill, update_calls)
@@ -293,6 +330,7 @@ class ColocatedTransport(Transport):
     def discard(self) -> None:
         """Drop every buffer; the next sync makes new ones. Engines that still have a dropped
         buffer open keep its memory until they let go of it."""
+        self._prefilled = None
         for buffer in self._buffers.values():
             self._forget(buffer)
         self._buffers.clear()
