@@ -344,15 +344,28 @@ def _break_after_first_bucket(updater, kill: bool = False) -> None:
     transport = updater.transport
     original = transport.send_buckets
 
+    def fail() -> None:
+        if kill:  # the engines have bucket 0 and wait for bucket 1 from a dead sender
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError("injected failure before sending bucket 1")
+
     def send_buckets(buckets, fill, update_calls):
         def failing_fill(bucket, buffer):
             if bucket.index >= 1:
-                if kill:  # the engines have bucket 0 and wait for bucket 1 from a dead sender
-                    os.kill(os.getpid(), signal.SIGKILL)
-                raise RuntimeError("injected failure while packing bucket 1")
+                fail()
             fill(bucket, buffer)
 
+        def failing_call(call):
+            def post(info):
+                if any(bucket["index"] >= 1 for bucket in info["buckets"]):
+                    fail()
+                return call(info)
+
+            return post
+
         try:
+            if updater.config.fills_ahead:  # packed before the pause: fail in the post instead
+                return original(buckets, fill, [failing_call(call) for call in update_calls])
             return original(buckets, failing_fill, update_calls)
         finally:
             transport.send_buckets = original

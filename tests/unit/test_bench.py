@@ -65,6 +65,30 @@ def test_sync_table_has_floors_ratios_and_bandwidth():
     ) in summary
 
 
+def test_a_sync_packed_before_the_pause_counts_its_pack_once_and_shows_vimes_share_of_the_pause():
+    from types import SimpleNamespace
+
+    from vime.bench.sync_methods import sync_phases
+
+    report = SimpleNamespace(
+        seconds={"prepare": 0.3, "pause": 0.1, "start": 0.01, "send": 0.5, "finish": 0.05},
+        send_seconds={"gather": 0.05, "pack": 0.2, "transfer": 0.45},
+        total_s=0.96,
+    )
+    row = sync_phases(report, {"load": 0.4})
+    # prepare (0.3) holds gather and pack; the rest of send beyond "wait" is "other".
+    assert row["prepare"] == 0.3 and row["pack"] == 0.2
+    assert row["other"] == pytest.approx(0.96 - (0.3 + 0.1 + 0.01 + 0.45 + 0.05))
+    rows = [{**row, "paused": 0.62, "engine_load": 0.4}, {**row, "paused": 0.64}]
+    result = _result()
+    result.measurements.insert(1, Measurement("shm+pack-in-pause", "float32", 1, rows))
+    (line,) = [line for line in summarize([result]) if "shm+pack-in-pause" in line]
+    assert (
+        "engines paused 0.630 s, of which vime's share (beyond the engine's load) 0.230 s = "
+        "1.4x the floor (medians of 2);"
+    ) in line
+
+
 def test_quartiles():
     from vime.bench.sync_results import quartiles
 

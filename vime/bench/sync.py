@@ -17,7 +17,8 @@ trainer rank(s), and then measures, for the same bytes:
 Through each timed sync of shm, gloo and naive a greedy request streams (`--probe-tokens`): its
 gap at the version switch is the sync's stall as a client sees it (`vime.bench.stall`). With
 `--shadow on|both`, rows TRANSPORT+shadow sync with weight_sync.shadow (load beside the served
-weights; both: on the same engine after the plain rows).
+weights; both: on the same engine after the plain rows). shm packs its buckets before the
+engines pause (weight_sync.pack_before_pause); `--pack in|both` adds rows shm+pack-in-pause.
 
 Prints a table (seconds per phase of the median sync) and writes every figure, iteration by
 iteration, to `--out`/bench_sync.json. Each iteration flips the sign of every weight first, so
@@ -41,6 +42,7 @@ from vime.bench.sync_methods import bench_control, bench_disk, bench_updater, me
 from vime.bench.sync_report import report
 from vime.bench.sync_results import (
     BENCH_TRANSPORTS,
+    PACK_MODES,
     SHADOW_MODES,
     DtypeResult,
     Measurement,
@@ -95,12 +97,18 @@ def bench_dtype(
             pin_trainer()
             startup[transport] = engine.startup_s or 0.0
             for shadow in SHADOW_MODES[args.shadow]:
-                updater = trainer.updater(transport, engine, bucket_bytes, version, shadow=shadow)
-                method = f"{transport}+shadow" if shadow else transport
-                measurement, version = bench_and_close(
-                    args, method, trainer, updater, engine, dtype, num_bytes
-                )
-                measurements.append(measurement)
+                # pack_before_pause applies to a colocated sync that pauses for its load.
+                aheads = PACK_MODES[args.pack] if transport == "shm" and not shadow else (True,)
+                for ahead in aheads:
+                    updater = trainer.updater(
+                        transport, engine, bucket_bytes, version, shadow=shadow, ahead=ahead
+                    )
+                    method = transport + ("+shadow" if shadow else "")
+                    method += "" if ahead else "+pack-in-pause"
+                    measurement, version = bench_and_close(
+                        args, method, trainer, updater, engine, dtype, num_bytes
+                    )
+                    measurements.append(measurement)
             if position == 0:  # the baselines run on the first engine
                 version, baselines = bench_baselines(
                     args, trainer, engine, transport, dtype, num_bytes, version
@@ -244,6 +252,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=sorted(SHADOW_MODES),
         default="off",
         help="weight_sync.shadow per transport: off, on (rows TRANSPORT+shadow), or both",
+    )
+    parser.add_argument(
+        "--pack",
+        choices=sorted(PACK_MODES),
+        default="before",
+        help="shm without shadow: weight_sync.pack_before_pause on (before), off (in: rows "
+        "shm+pack-in-pause, the trainer packs inside the engines' pause), or both",
     )
     parser.add_argument("--bucket-mib", type=int, default=512, help="bucket cap in MiB")
     parser.add_argument("--tp", type=int, default=1, help="trainer tensor-parallel size")

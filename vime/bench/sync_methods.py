@@ -43,6 +43,8 @@ def sync_phases(report: Any, engine_stats: dict[str, float]) -> dict[str, float]
     """A SyncReport as the table's columns, plus the engine's own receive and load times."""
     send = report.send_seconds
     row = {
+        # weight_sync.pack_before_pause: gather, convert and pack ran here, before the pause.
+        "prepare": report.seconds.get("prepare", 0.0),
         "pause": report.seconds.get("pause", 0.0),
         "flush": report.seconds.get("flush", 0.0),
         "start": report.seconds.get("start", 0.0),
@@ -54,7 +56,10 @@ def sync_phases(report: Any, engine_stats: dict[str, float]) -> dict[str, float]
         "finish": report.seconds.get("finish", 0.0),
         "resume": report.seconds.get("resume", 0.0),
     }
-    row["other"] = max(0.0, report.total_s - sum(row.values()))
+    counted = sum(row.values())
+    if row["prepare"]:  # the trainer's own phases are inside it: count them once
+        counted -= row["gather"] + row["convert"] + row["pack"]
+    row["other"] = max(0.0, report.total_s - counted)
     row["total"] = report.total_s
     row["engine_receive"] = float(engine_stats.get("receive", 0.0))
     # weight_sync.shadow: the load runs on the shadow's thread (its own clock), beside decoding.
@@ -122,7 +127,7 @@ def bench_updater(
             measurement.engine_rss_gib.append(engine_rss_gib(engine))
         if index >= warmup:
             row = sync_phases(report, stats)
-            if is_rank0:
+            if is_rank0:  # paused: pause request to resume answered (shadow: the swap)
                 row["paused"], row["stall"] = report.paused_s, stall
                 row["longest_gap"], row["step_gap"] = longest_gap, step_gap
             measurement.iterations.append(row)

@@ -15,10 +15,15 @@ NAN = math.nan
 BENCH_TRANSPORTS = ("gloo", "shm")  # the CPU ones
 # --shadow: the weight_sync.shadow settings each transport runs with, in order.
 SHADOW_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
+# --pack: weight_sync.pack_before_pause for shm without shadow ("in": rows shm+pack-in-pause).
+PACK_MODES = {"before": (True,), "in": (False,), "both": (True, False)}
 # The columns of a sync, in order; with "other" (barriers, bookkeeping) they add up to the total
-# from pause to resume. "wait" is the trainer waiting for the bytes to move and the engines to load
-# them, beyond the packing it overlaps with.
+# from the first step to resume. "prepare": a colocated sync's gather, convert and pack before the
+# engines pause (weight_sync.pack_before_pause; those columns are then part of it). "wait" is the
+# trainer waiting for the bytes to move and the engines to load them, beyond the packing it
+# overlaps with.
 SYNC_PHASES = (
+    "prepare",
     "pause",
     "flush",
     "start",
@@ -179,7 +184,7 @@ def summarize(results: list[DtypeResult]) -> list[str]:
         means = {m.method: m.typical() for m in result.measurements}
         measured = {m.method: m.iterations for m in result.measurements}
         by_method = {method: mean.get("total", 0.0) for method, mean in means.items()}
-        for method in ("shm", "gloo"):
+        for method in ("shm", "shm+pack-in-pause", "gloo"):
             shadow = f"{method}+shadow"
             if shadow in by_method and measured[shadow]:
                 lines.append(f"{label} {shadow_line(shadow, measured[shadow], means[shadow])}")
@@ -195,6 +200,14 @@ def summarize(results: list[DtypeResult]) -> list[str]:
                 line += (
                     f" ({rest:.3f} s = {rest / result.floor_s:.1f}x without the engine's own "
                     f"load_weights, {load:.3f} s)"
+                )
+            pauses = [it["paused"] for it in measured[method] if "paused" in it]
+            if load and pauses:  # the engines' pause less their own load: vime's share of it
+                share = median(it["paused"] - it["engine_load"] for it in measured[method])
+                line += (
+                    f"; engines paused {median(pauses):.3f} s, of which vime's share (beyond "
+                    f"the engine's load) {share:.3f} s = {share / result.floor_s:.1f}x the "
+                    f"floor (medians of {len(pauses)})"
                 )
             stalls = [
                 it["stall"] for it in measured[method] if not math.isnan(it.get("stall", NAN))

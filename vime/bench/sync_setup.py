@@ -205,6 +205,7 @@ class Trainer:
         version: int,
         verify_checksums: bool = False,
         shadow: bool = False,
+        ahead: bool = True,
     ) -> Any:
         """A connected WeightUpdater from this trainer into `engine` (or a list of them)."""
         from vime.config import WeightSyncConfig
@@ -215,6 +216,7 @@ class Trainer:
             update_weight_buffer_size=bucket_bytes,
             verify_checksums=verify_checksums,
             shadow=shadow,
+            pack_before_pause=ahead,
             transfer_timeout_s=900,
             barrier_timeout_s=900,
         )
