@@ -10,8 +10,9 @@ the same weights go into one vLLM CPU engine twice: a delta sync (only the eleme
 bits changed), then a full sync of the same weights as the delta path sends one (every byte,
 kept by both sides as the next delta's baseline); both are verified by the engine's checksums
 (not timed). Prints per
-lr: the fraction of elements that changed, bytes on the wire and seconds (pause to resume, the
-verification excluded) of both, and where the delta sync's time went; writes every step's
+lr: the fraction of elements that changed, bytes on the wire and seconds (first step to resume,
+the verification excluded) of both, the engines' pause within them, and where the delta sync's
+time went; writes every step's
 figures to --out/bench_delta.json.
 """
 
@@ -62,6 +63,12 @@ def sync_seconds(report: Any) -> float:
     compared after it): both syncs of a step are verified, neither is timed with it."""
     total = sum(s for phase, s in report.seconds.items() if phase != "verify")
     return total - report.send_seconds.get("checksum", 0.0)
+
+
+def paused_seconds(report: Any) -> float:
+    """The engines' pause (pause request to resume answered), without the verification inside
+    it; the trainer's gather, encode and pack before the pause (`prepare`) are not in it."""
+    return report.paused_s - report.seconds.get("verify", 0.0)
 
 
 def bf16_trainer(args: argparse.Namespace, topology: Any, sync_group: Any) -> tuple[Path, Any]:
@@ -126,6 +133,8 @@ def bench_delta(args: argparse.Namespace, topology: Any, sync_group: Any) -> dic
                         "full_bytes": full.num_bytes,
                         "delta_s": sync_seconds(delta),
                         "full_s": sync_seconds(full),
+                        "delta_paused_s": paused_seconds(delta),
+                        "full_paused_s": paused_seconds(full),
                         "delta_phases": delta.seconds,
                         "delta_send": delta.send_seconds,
                         # Both verified: "verify" (engine read-back and compare) here, and the
@@ -164,8 +173,8 @@ def format_delta(figures: dict[str, Any]) -> str:
         f"delta vs full sync, {figures['preset']} {figures['dtype']} over "
         f"{figures['transport']} (medians of n steps, each a real AdamW step on fp32 masters)",
         "| lr | n | changed elements | delta bytes | full bytes | delta s | full s | "
-        "engine load s (delta) |",
-        "|---|---|---|---|---|---|---|---|",
+        "engines paused s: delta / full | engine load s (delta) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for run in figures["runs"]:
         rows = run["steps"]
@@ -177,6 +186,7 @@ def format_delta(figures: dict[str, Any]) -> str:
         lines.append(
             f"| {run['lr']:g} | {len(rows)} | {median('changed_fraction'):.4%} | "
             f"{median('delta_bytes') / 1e6:.1f} MB | {median('full_bytes') / 1e6:.1f} MB | "
-            f"{median('delta_s'):.3f} | {median('full_s'):.3f} | {load:.3f} |"
+            f"{median('delta_s'):.3f} | {median('full_s'):.3f} | "
+            f"{median('delta_paused_s'):.3f} / {median('full_paused_s'):.3f} | {load:.3f} |"
         )
     return "\n".join(lines)
