@@ -79,13 +79,13 @@ def test_a_sync_packed_before_the_pause_counts_its_pack_once_and_shows_vimes_sha
     # prepare (0.3) holds gather and pack; the rest of send beyond "wait" is "other".
     assert row["prepare"] == 0.3 and row["pack"] == 0.2
     assert row["other"] == pytest.approx(0.96 - (0.3 + 0.1 + 0.01 + 0.45 + 0.05))
-    rows = [{**row, "paused": 0.62, "engine_load": 0.4}, {**row, "paused": 0.64}]
+    rows = [{**row, "paused": 0.62, "engine_finish": 0.05}, {**row, "paused": 0.64}]
     result = _result()
     result.measurements.insert(1, Measurement("shm+pack-in-pause", "float32", 1, rows))
     (line,) = [line for line in summarize([result]) if "shm+pack-in-pause" in line]
     assert (
-        "engines paused 0.630 s, of which vime's share (beyond the engine's load) 0.230 s = "
-        "1.4x the floor (medians of 2);"
+        "engines paused 0.630 s, of which vime's share (beyond the worker's own start, load "
+        "and finish) 0.205 s = 1.3x the floor (medians of 2);"
     ) in line
 
 

@@ -65,6 +65,10 @@ def sync_phases(report: Any, engine_stats: dict[str, float]) -> dict[str, float]
     # weight_sync.shadow: the load runs on the shadow's thread (its own clock), beside decoding.
     load = engine_stats.get("load", 0.0) or engine_stats.get("shadow_load", 0.0)
     row["engine_load"] = float(load)
+    # The worker's own start and finish (vLLM's layerwise set-up, its finalize and kernel
+    # rebuilds such as a tied head's): with the load, the engine's work inside the pause.
+    row["engine_start"] = float(engine_stats.get("start", 0.0))
+    row["engine_finish"] = float(engine_stats.get("finish", 0.0))
     return row
 
 

@@ -202,12 +202,18 @@ def summarize(results: list[DtypeResult]) -> list[str]:
                     f"load_weights, {load:.3f} s)"
                 )
             pauses = [it["paused"] for it in measured[method] if "paused" in it]
-            if load and pauses:  # the engines' pause less their own load: vime's share of it
-                share = median(it["paused"] - it["engine_load"] for it in measured[method])
+            if load and pauses:  # the engines' pause less their own work: vime's share of it
+                share = median(
+                    it["paused"]
+                    - sum(
+                        it.get(key, 0.0) for key in ("engine_start", "engine_load", "engine_finish")
+                    )
+                    for it in measured[method]
+                )
                 line += (
                     f"; engines paused {median(pauses):.3f} s, of which vime's share (beyond "
-                    f"the engine's load) {share:.3f} s = {share / result.floor_s:.1f}x the "
-                    f"floor (medians of {len(pauses)})"
+                    f"the worker's own start, load and finish) {share:.3f} s = "
+                    f"{share / result.floor_s:.1f}x the floor (medians of {len(pauses)})"
                 )
             stalls = [
                 it["stall"] for it in measured[method] if not math.isnan(it.get("stall", NAN))
