@@ -294,6 +294,10 @@ def test_shm_backend_syncs_exact_weights_and_cleans_up(servers, reference):
         _sync(server, post_filled, version="3")
         assert _segment_names(infos) == first_names
         _check_served(server, reference, "new", "3")
+        # Between syncs the engine holds no view of a segment: refilling them all (what the
+        # next sync's prepare does while the engine serves) leaves the served weights alone.
+        transport.prefill(buckets, _filler(old))
+        _check_served(server, reference, "new", "3")
 
         # A rejected update (no start_weight_update) drops every segment: the engine may hold
         # views of them, so the next sync starts with new ones.
