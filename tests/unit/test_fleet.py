@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import threading
 from collections.abc import AsyncIterator
 
@@ -95,10 +96,13 @@ def test_joiners_serve_only_once_marked_up_and_drained_engines_finish_what_they_
     asyncio.run(run())
 
 
-def test_an_engine_set_change_from_another_thread_is_seen_when_the_call_returns(monkeypatch):
+def test_an_engine_set_change_from_another_thread_is_seen_when_the_call_returns(
+    monkeypatch, caplog
+):
     """The job's thread marks engines up and down while the client's loop runs in another thread
     (the rollout's): the call returns once the loop has made the change, so `serving()` read right
-    after it is current; a loop that does not run the change within the timeout is an error."""
+    after it is current; a loop that does not run it within the timeout gets a warning, and the
+    change lands when the loop frees up."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -116,18 +120,23 @@ def test_an_engine_set_change_from_another_thread_is_seen_when_the_call_returns(
         client.mark_up(1)
         assert gate.is_set() and client.serving() == [0, 1]
 
+        # A loop busy past the timeout: a warning, and the change lands once the loop frees.
         monkeypatch.setattr(generation, "_LOOP_CALL_TIMEOUT_S", 0.2)
         gate = threading.Event()
         loop.call_soon_threadsafe(gate.wait, 30)
-        with pytest.raises(TimeoutError, match="did not run an engine-set change within"):
+        with caplog.at_level(logging.WARNING, logger="vime.engines.generation"):
             client.drain(0)
+        assert "did not run an engine-set change within" in caplog.text
+        assert client.serving() == [0, 1]  # not yet: the loop is still held
         gate.set()
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout=10)
+        assert client.serving() == [1]
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         loop.close()
-    client.mark_down(0)  # the loop is closed: the change is made in the caller's thread
-    assert client.serving() == [1]
+    client.mark_down(1)  # the loop is closed: the change is made in the caller's thread
+    assert client.serving() == []
 
 
 def test_a_group_shares_one_engine_least_loaded_between_groups_and_moves_when_it_goes_down():

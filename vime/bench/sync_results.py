@@ -42,7 +42,8 @@ ENGINE_PHASES = ("engine_receive", "engine_load")
 
 @dataclass
 class Measurement:
-    """One method's timed iterations for one dtype: phase -> seconds, "total" = pause -> resume."""
+    """One method's timed iterations for one dtype: phase -> seconds, "total" = first step to
+    resume."""
 
     method: str
     dtype: str
@@ -91,7 +92,7 @@ def result_labels(results: list[DtypeResult]) -> list[str]:
 
 
 def format_table(results: list[DtypeResult]) -> str:
-    """The screen table: seconds per phase of the median sync, pause -> resume, GB/s, x floor.
+    """The screen table: seconds per phase of the median sync, first step -> resume, GB/s, x floor.
 
     n: the timed syncs of the row (warm-up not counted); each row shows the one whose total is
     the median (the lower one of an even count): a real sync, not a mix. req: update_weights

@@ -86,8 +86,9 @@ class StageSend:
         self.delta_stats: DeltaStats | None = None
 
     def part(self, stage: int) -> Callable[[], None] | None:
-        """What this rank does in pipeline stage `stage`'s turn: its own stage's gather and send,
-        then, if it holds that stage's buckets for its device, the holding (None: nothing)."""
+        """What this rank does in pipeline stage `stage`'s turn: its own stage's gather and send
+        (with `ahead`: the sender's post of what `prepare` filled), then, if it holds that stage's
+        buckets for its device, the holding (None: nothing)."""
         parts: list[Callable[[], None]] = []
         if stage == self.pp_rank and not self.ahead:
             parts.append(self.send_own_stage)

@@ -288,8 +288,9 @@ class WeightUpdater:
         except WeightSyncError as failed:
             if mode != "delta":
                 raise
-            report = self._repair(version, failed)  # the engines stood still through both:
-            report.paused_s = (time.monotonic() - began) if report.paused_s else 0.0
+            report = self._repair(version, failed)  # paused through both, unless it failed
+            if failed.phase != "prepare":  # before any engine call
+                report.paused_s = (time.monotonic() - began) if report.paused_s else 0.0
         self.weight_version = version
         return report
 
@@ -360,10 +361,11 @@ class WeightUpdater:
         rank = dist.get_rank(self.sync_group)
         logger.log(
             logging.WARNING if rank == 0 else logging.DEBUG,
-            "weight version %d: delta sync failed (%s); the engines stay paused on the previous "
-            "weights until the same version has gone in full",
+            "weight version %d: delta sync failed (%s); the engines %s the previous weights "
+            "until the same version has gone in full",
             version,
             failed,
+            "serve" if failed.phase == "prepare" else "stay paused on",
         )
         try:
             self.close()
