@@ -202,19 +202,16 @@ def summarize(results: list[DtypeResult]) -> list[str]:
                     f" ({rest:.3f} s = {rest / result.floor_s:.1f}x without the engine's own "
                     f"load_weights, {load:.3f} s)"
                 )
-            pauses = [it["paused"] for it in measured[method] if "paused" in it]
-            if load and pauses:  # the engines' pause less their own work: vime's share of it
+            timed = [it for it in measured[method] if "paused" in it]  # rank 0's
+            if load and timed:  # the engines' pause less their own work: vime's share of it
+                engine_keys = ("engine_start", "engine_load", "engine_finish")
                 share = median(
-                    it["paused"]
-                    - sum(
-                        it.get(key, 0.0) for key in ("engine_start", "engine_load", "engine_finish")
-                    )
-                    for it in measured[method]
+                    it["paused"] - sum(it.get(key, 0.0) for key in engine_keys) for it in timed
                 )
                 line += (
-                    f"; engines paused {median(pauses):.3f} s, of which vime's share (beyond "
-                    f"the worker's own start, load and finish) {share:.3f} s = "
-                    f"{share / result.floor_s:.1f}x the floor (medians of {len(pauses)})"
+                    f"; engines paused {median(it['paused'] for it in timed):.3f} s, of which "
+                    f"vime's share (beyond the worker's own start, load and finish) {share:.3f} "
+                    f"s = {share / result.floor_s:.1f}x the floor (medians of {len(timed)})"
                 )
             stalls = [
                 it["stall"] for it in measured[method] if not math.isnan(it.get("stall", NAN))

@@ -162,11 +162,7 @@ class ColocatedTransport(Transport):
         exported = self.spread is None or self.spread.holds
         try:
             for bucket in buckets:
-                if bucket.nbytes:
-                    buffer = self._buffer(bucket.index, bucket.nbytes, exported=exported)
-                    fill(bucket, buffer.tensor[: bucket.nbytes])
-                else:  # a delta's commit: no bytes, the filler still counts it
-                    fill(bucket, torch.empty(0, dtype=torch.uint8, device=self.device))
+                self._fill(bucket, fill, exported=exported)
             self._synchronize()
         except BaseException:
             self.discard()
@@ -204,13 +200,8 @@ class ColocatedTransport(Transport):
         previous: tuple[dict[str, Any], InFlightCalls] | None = None
         try:
             for bucket in buckets:
-                handles: dict[str, Any] = {}
-                if bucket.nbytes:  # a bucket of no bytes (a delta's commit) needs no buffer
-                    buffer = self._buffer(bucket.index, bucket.nbytes, exported=True)
-                    fill(bucket, buffer.tensor[: bucket.nbytes])
-                    handles = {self.device_id: buffer.handle}
-                else:
-                    fill(bucket, torch.empty(0, dtype=torch.uint8, device=self.device))
+                buffer = self._fill(bucket, fill, exported=True)
+                handles = {self.device_id: buffer.handle} if buffer is not None else {}
                 self._synchronize()
                 if previous is not None:
                     self._acknowledged(*previous)
@@ -225,6 +216,16 @@ class ColocatedTransport(Transport):
                 previous[1].abandon()
             raise
         return infos
+
+    def _fill(self, bucket: Bucket, fill: FillBucket, *, exported: bool) -> _Buffer | None:
+        """Fill `bucket` into its buffer (made on first use). A bucket of no bytes (a delta's
+        commit) needs no buffer: None, and its filler still runs (it counts the bucket)."""
+        if not bucket.nbytes:
+            fill(bucket, torch.empty(0, dtype=torch.uint8, device=self.device))
+            return None
+        buffer = self._buffer(bucket.index, bucket.nbytes, exported=exported)
+        fill(bucket, buffer.tensor[: bucket.nbytes])
+        return buffer
 
     def _acknowledged(self, handles: dict[str, Any], in_flight: InFlightCalls) -> None:
         in_flight.wait(self.timeout_s)
