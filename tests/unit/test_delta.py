@@ -83,22 +83,22 @@ def test_the_compare_in_chunks_on_several_threads_finds_every_change(monkeypatch
     assert encoder.encode("w", new, DeltaStats()) == []  # the last-sent copy caught up
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
-def test_block_search_finds_sparse_dense_and_edge_changes(monkeypatch, dtype):
-    """Blocks of 24 (a short last one: 1003 elements), chunks of 96: sparse blocks are searched
-    by the mask's 8-byte words, denser ones directly; one chunk is locally past the dense share,
-    stops collecting and is searched again by `take` (the tensor as a whole stays sparse)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8, torch.float64])
+def test_the_compare_finds_word_chunk_and_tail_changes_and_a_locally_dense_chunk(
+    monkeypatch, dtype
+):
+    """Chunks of 96 over 1003 elements (a short last one): changes at 8-byte word, chunk and
+    tensor edges, and one chunk mostly changed while the tensor as a whole stays sparse (its
+    changes are still collected); then a mostly changed tensor, sent whole."""
     import vime.weight_sync.delta as delta
 
     monkeypatch.setattr(delta, "CHUNK_ELEMENTS", 96)
-    monkeypatch.setattr(delta, "BLOCK_ELEMENTS", 24)
-    monkeypatch.setattr(delta, "SPARSE_BLOCK_FRACTION", 0.2)  # up to 4 of 24: by words
     generator = torch.Generator().manual_seed(3)
     old = (torch.rand(1003, generator=generator) * 100).to(dtype)
     new = old.clone()
     flat = new.view(-1)
-    sparse = [0, 7, 8, 23, 24, 95, 96, 500, 1002]  # word, block and chunk edges, the last one
-    dense = list(range(200, 240))  # block 8 and 9 (of chunk 2) mostly changed
+    sparse = [0, 1, 3, 4, 7, 8, 23, 24, 95, 96, 500, 1001, 1002]
+    dense = list(range(200, 260))  # most of chunk 2
     changed = sorted(set(sparse + dense))
     bits(flat)[changed] ^= 1  # one bit flipped: a change every dtype sees
     encoder = DeltaEncoder()
@@ -111,20 +111,59 @@ def test_block_search_finds_sparse_dense_and_edge_changes(monkeypatch, dtype):
     # Mostly changed: sent whole; the last-sent copy is the new tensor.
     newer = new.clone()
     bits(newer.view(-1))[:900] ^= 1
-    assert encoder.encode("w", newer, DeltaStats()) == [("w", newer)]
+    stats = DeltaStats()
+    assert encoder.encode("w", newer, stats) == [("w", newer)]
+    assert stats.changed == 900 and stats.dense == 1
     assert encoder.encode("w", newer, DeltaStats()) == []
 
 
-def test_the_word_search_equals_numpys_flatnonzero():
+@pytest.mark.parametrize("offset", [0, 1, 3])
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.uint8])
+def test_the_compare_kernel_equals_numpy_at_any_alignment_and_range(offset, dtype):
+    """`diff_chunk` over views that start `offset` elements into 8-byte-aligned buffers (both
+    alike: words from element `first`; apart: elements only), over sub-ranges that cut words:
+    the changes NumPy finds, and `old` equal to `new` in the range only."""
     import numpy as np
 
-    from vime.weight_sync.delta import _flat_nonzero
+    from vime.weight_sync.delta_kernels import diff_chunk, words
 
-    rng = np.random.default_rng(0)
-    for size in (0, 1, 7, 8, 9, 64, 1001):
-        for density in (0.0, 0.01, 0.3, 1.0):
-            mask = rng.random(size) < density
-            assert _flat_nonzero(mask).tolist() == np.flatnonzero(mask).tolist(), (size, density)
+    rng = np.random.default_rng(offset)
+    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    for old_offset in (offset, 0):
+        new = rng.integers(0, 50, 300 + offset).astype(np_dtype)[offset:]
+        old_buffer = np.empty(300 + old_offset, dtype=np_dtype)
+        old = old_buffer[old_offset:]
+        old[:] = new
+        hit = rng.random(new.size) < 0.1
+        new[hit] += 1
+        first, new_words, old_words = words(new, old)
+        assert (new_words.size > 0) == (old_offset == offset)
+        for start, end in ((0, new.size), (5, 7), (9, 260), (250, new.size)):
+            before = old.copy()
+            expected = start + np.flatnonzero(new[start:end] != old[start:end])
+            indices = np.empty(end - start, dtype=np.int64)
+            values = np.empty(end - start, dtype=np_dtype)
+            shared = np.zeros(1, dtype=np.int64)
+            found, count, whole = diff_chunk(
+                new, old, new_words, old_words, first, 8 // new.itemsize, start, end,
+                indices, values, shared, end,
+            )  # fmt: skip
+            assert whole and found == count == expected.size == shared[0]
+            assert indices[:found].tolist() == expected.tolist()
+            assert values[:found].tolist() == new[expected].tolist()
+            assert (old[start:end] == new[start:end]).all()
+            assert (old[:start] == before[:start]).all() and (old[end:] == before[end:]).all()
+            old[:] = before
+        # Past the limit (checked after each block of words) it stops collecting, still counts,
+        # and still brings `old` up to date; elements alone are collected whole.
+        shared = np.zeros(1, dtype=np.int64)
+        indices = np.empty(new.size, dtype=np.int64)
+        values = np.empty(new.size, dtype=np_dtype)
+        found, count, whole = diff_chunk(
+            new, old, new_words, old_words, first, 8 // new.itemsize, 0, new.size,
+            indices, values, shared, 0,
+        )  # fmt: skip
+        assert whole == (new_words.size == 0) and count == int(hit.sum()) and (old == new).all()
 
 
 def test_unchanged_tensors_send_nothing_and_signed_zero_and_nan_count_as_changes():
@@ -185,3 +224,30 @@ def test_each_stage_commits_its_own_tensors_only():
             assert torch.equal(loaded[name], tensor)
     with pytest.raises(ValueError, match="lacks"):
         engine.commit(("layers.2.w",))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_engines_scatter_writes_every_value_and_refuses_indices_outside(monkeypatch, threads):
+    """The worker's patch: split over the compare's threads from SPLIT_ELEMENTS indices on;
+    an index outside the tensor is refused, and the baseline becomes unknown."""
+    import vime.weight_sync.delta as delta
+
+    monkeypatch.setattr(delta, "SPLIT_ELEMENTS", 4 if threads == 2 else 1 << 30)
+    target = torch.zeros(1000, dtype=torch.bfloat16)
+    indices = torch.tensor([0, 3, 4, 500, 998, 999], dtype=torch.int32)
+    values = torch.arange(1, 7).to(torch.bfloat16)
+    delta.scatter(target, indices, values)
+    expected = torch.zeros(1000, dtype=torch.bfloat16)
+    expected[indices.long()] = values
+    assert torch.equal(bits(target), bits(expected))
+    with pytest.raises(ValueError, match="1 indices fall outside a tensor of 1000"):
+        delta.scatter(target, torch.tensor([1, 1000], dtype=torch.int64), values[:2])
+    with pytest.raises(ValueError, match="2 indices for 1 values"):
+        delta.scatter(target, indices[:2], values[:1])
+    encoder, engine = DeltaEncoder(), Baseline()
+    engine.start()
+    _full(encoder, engine, {"w": torch.zeros(8)})
+    engine.start()
+    with pytest.raises(ValueError, match="'w::values'.*outside"):
+        engine.patch([("w::indices", torch.tensor([-1])), ("w::values", torch.ones(1))])
+    assert not engine.valid

@@ -24,7 +24,9 @@ path) compare the engine with the full tensors after a delta as after a full syn
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -32,6 +34,8 @@ import numpy as np
 import torch
 
 from vime.weight_sync.buckets import Bucket, plan_buckets
+
+logger = logging.getLogger(__name__)
 
 INDICES = "::indices"
 VALUES = "::values"
@@ -44,117 +48,78 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(_BITS[tensor.element_size()])
 
 
-class _Changed:
-    """Which elements of `new` differ from `old` in their bits (flat, same dtype).
+def _changes(
+    new: torch.Tensor, old: torch.Tensor, limit: int, index_dtype: torch.dtype
+) -> tuple[int, tuple[torch.Tensor, torch.Tensor] | None]:
+    """How many elements of `new` differ from `old` in their bits (flat, same dtype), and their
+    (flat indices, values) unless more than `limit` changed (the tensor then goes whole); `old`
+    equals `new` afterwards either way.
 
-    On CPU by NumPy, in chunks spread over the machine's cores (`_pool`; NumPy releases the GIL),
-    each chunk compared in blocks whose mask stays in the core's cache: one pass reads both
-    copies once and finds the changed elements' indices (`_chunk_changes`). A chunk (or one of
-    its blocks) with more than `dense_fraction` of its elements changed stops collecting indices
-    (the tensor is then most likely sent whole); `take` finds them if it goes sparse after all."""
+    On CPU by a compiled kernel (`delta_kernels`), in chunks spread over the machine's cores
+    (`_pool`): one read of both copies finds the changes and updates `old` at them."""
+    if new.device.type != "cpu" or old.device.type != "cpu":
+        mask = bits(new) != bits(old)
+        count = int(mask.sum())
+        if count > limit:
+            old.copy_(new)
+            return count, None
+        where = torch.nonzero(mask).squeeze(1)
+        values = new[where]
+        old[where] = values
+        return count, (where.to(index_dtype), values)
+    from vime.weight_sync import delta_kernels  # compiled on first use (numba's cache: once)
 
-    def __init__(self, new: torch.Tensor, old: torch.Tensor, dense_fraction: float = 1.0):
-        self.new, self.old = new, old
-        self.on_cpu = new.device.type == "cpu" and old.device.type == "cpu"
-        if self.on_cpu:
-            new_bits, old_bits = bits(new).numpy(), bits(old).numpy()
-            self._chunks = _chunks(new_bits.size)
+    new_bits, old_bits = bits(new).numpy(), bits(old).numpy()
+    first, new_words, old_words = delta_kernels.words(new_bits, old_bits)
+    lanes = 8 // new_bits.itemsize
+    # The tensor's changes counted so far, by every chunk.
+    shared: np.ndarray = np.zeros(1, dtype=np.int64)
+    numpy_index = _NUMPY_INDEX[index_dtype]
 
-            def chunk(c: tuple[int, int]) -> tuple[int, np.ndarray | None]:
-                return _chunk_changes(new_bits, old_bits, *c, dense_fraction)
+    def chunk(span: tuple[int, int]) -> tuple[int, tuple[np.ndarray, np.ndarray] | None]:
+        start, end = span  # the buffers' untouched pages cost no memory
+        indices: np.ndarray = np.empty(end - start, dtype=numpy_index)
+        values = np.empty(end - start, dtype=new_bits.dtype)
+        found, count, whole = delta_kernels.diff_chunk(
+            new_bits, old_bits, new_words, old_words, first, lanes, start, end,
+            indices, values, shared, limit,
+        )  # fmt: skip
+        return int(count), (indices[:found], values[:found]) if whole else None
 
-            self._found = list(_pool().map(chunk, self._chunks))
-            self.count = sum(count for count, _ in self._found)
-        else:
-            self._mask_t = bits(new) != bits(old)
-            self.count = int(self._mask_t.sum())
-
-    def take(self, index_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(indices, values) of the changed elements; `old` is updated to `new` at them."""
-        if self.on_cpu:
-            new_bits, old_bits = bits(self.new).numpy(), bits(self.old).numpy()
-            numpy_index = _NUMPY_INDEX[index_dtype]
-
-            def chunk(item: tuple[tuple[int, int], tuple]) -> tuple[np.ndarray, np.ndarray]:
-                (start, end), (_, where) = item
-                if where is None:  # collecting stopped: a denser chunk
-                    _, where = _chunk_changes(new_bits, old_bits, start, end, 1.0)
-                    assert where is not None
-                values = new_bits[where]
-                old_bits[where] = values  # old's storage: the last-sent copy now equals new
-                return where.astype(numpy_index), values
-
-            parts = list(_pool().map(chunk, zip(self._chunks, self._found, strict=True)))
-            indices = np.concatenate([where for where, _ in parts])
-            values = np.concatenate([values for _, values in parts])
-            return torch.from_numpy(indices), torch.from_numpy(values).view(self.new.dtype)
-        where_t = torch.nonzero(self._mask_t).squeeze(1)
-        values_t = self.new[where_t]
-        self.old[where_t] = values_t
-        return where_t.to(index_dtype), values_t
-
-
-CHUNK_ELEMENTS = 1 << 22  # per task of the compare: large enough to amortise a task's overhead
-BLOCK_ELEMENTS = 1 << 18  # per compare within a chunk: its 256 KiB mask stays in the L2 cache
-
-
-def _chunk_changes(
-    new_bits: np.ndarray, old_bits: np.ndarray, start: int, end: int, dense_fraction: float
-) -> tuple[int, np.ndarray | None]:
-    """(count, flat indices) of the elements in [start, end) whose bits differ; indices None
-    once more than `dense_fraction` of the chunk's elements, or of one block's, changed (only
-    counted from there)."""
-    mask: np.ndarray = np.empty(BLOCK_ELEMENTS, dtype=np.bool_)
-    limit = dense_fraction * (end - start)
-    count = 0
-    found: list[np.ndarray] | None = []
-    for block in range(start, end, BLOCK_ELEMENTS):
-        stop = min(block + BLOCK_ELEMENTS, end)
-        changed = np.not_equal(new_bits[block:stop], old_bits[block:stop], out=mask[: stop - block])
-        in_block = int(np.count_nonzero(changed))
-        count += in_block
-        if count > limit or in_block > dense_fraction * (stop - block):
-            found = None  # most likely sent whole: `take` searches again if not
-        if found is None or not in_block:
-            continue
-        sparse = in_block < SPARSE_BLOCK_FRACTION * (stop - block)
-        found.append((_flat_nonzero(changed) if sparse else np.flatnonzero(changed)) + block)
-    if found is None:
+    parts = list(_pool().map(chunk, _chunks(new.numel())))
+    count = sum(changed for changed, _ in parts)
+    if count > limit or any(found is None for _, found in parts):
         return count, None
-    return count, np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+    indices = np.concatenate([found[0] for _, found in parts if found is not None])
+    values = np.concatenate([found[1] for _, found in parts if found is not None])
+    return count, (torch.from_numpy(indices), torch.from_numpy(values).view(new.dtype))
 
 
-SPARSE_BLOCK_FRACTION = 0.03  # below it a block's indices are found by its mask's 8-byte words
-
-
-def _flat_nonzero(mask: np.ndarray) -> np.ndarray:
-    """np.flatnonzero(mask) for a bool mask with few set, 2.5x faster: the mask's 8-byte words
-    find the groups of 8 with any set, and only those groups are searched."""
-    whole = mask.size // 8 * 8
-    words = mask[:whole].view(np.uint64)
-    groups = np.flatnonzero(words != 0)
-    within = np.flatnonzero(words[groups].view(np.bool_))
-    where = groups[within >> 3] * 8 + (within & 7)
-    if whole < mask.size:
-        where = np.concatenate([where, whole + np.flatnonzero(mask[whole:])])
-    return where
+CHUNK_ELEMENTS = 1 << 22  # per task of the compare at most: a task's overhead stays small
+SPLIT_ELEMENTS = 1 << 16  # a tensor this large is split over every thread of the compare
+MAX_COMPARE_THREADS = 8  # memory bandwidth, not cores, bounds the compare beyond a few threads
 
 
 def _chunks(numel: int) -> list[tuple[int, int]]:
-    return [
-        (start, min(start + CHUNK_ELEMENTS, numel)) for start in range(0, numel, CHUNK_ELEMENTS)
-    ]
-
-
-MAX_COMPARE_THREADS = 8  # memory bandwidth, not cores, bounds the compare beyond a few threads
+    """Equal spans of a tensor's elements for the compare's threads, a multiple of them (a
+    4864 x 896 weight in chunks of 4M and 0.2M would leave one thread idle), each starting on
+    an 8-byte word for 8-bit elements (and so for wider ones)."""
+    parts = -(-numel // CHUNK_ELEMENTS)
+    if numel >= SPLIT_ELEMENTS:
+        threads = _pool()._max_workers
+        parts = -(-parts // threads) * threads
+    size = -(-numel // max(parts, 1))
+    size = -(-size // 8) * 8
+    return [(start, min(start + size, numel)) for start in range(0, numel, size)]
 
 
 @functools.cache
 def _pool() -> ThreadPoolExecutor:
     """The compare's threads, made once and kept: one per core of the machine, up to
     MAX_COMPARE_THREADS, each allowed on every core of this process's cpuset. A trainer pinned
-    to its own core (trainer.cpu_cores) borrows the engines' cores: during a sync the engines
-    are paused, and a delta is encoded before any bucket reaches them."""
+    to its own core (trainer.cpu_cores) borrows the engines' cores: a delta is encoded before
+    the engines pause (weight_sync.pack_before_pause, colocated), where they may be decoding
+    on them, or inside the pause before any bucket reaches them."""
     cores = os.cpu_count() or 1
 
     def unpin() -> None:
@@ -170,16 +135,54 @@ def _pool() -> ThreadPoolExecutor:
     )
 
 
+@functools.cache
+def warm_kernels() -> None:
+    """Import the delta's compiled loops and compile them (or load numba's cache) for 16- and
+    32-bit elements, once per process, on a thread of their own: called at the first full sync
+    a delta will build on, so the first delta does not pay ~0.5 s of it (in an engine, inside
+    the pause)."""
+
+    def warm() -> None:
+        from vime.weight_sync import delta_kernels
+
+        for dtype in (torch.bfloat16, torch.float32):
+            new, old = torch.ones(16, dtype=dtype), torch.zeros(16, dtype=dtype)
+            _changes(new, old, 15, torch.int32)
+            scatter(old, torch.arange(4, dtype=torch.int32), new[:4])
+        logger.debug("delta kernels ready (%s)", delta_kernels.__name__)
+
+    threading.Thread(target=warm, name="vime-delta-warm", daemon=True).start()
+
+
 _NUMPY_INDEX = {torch.int32: np.int32, torch.int64: np.int64}
 
 
 def scatter(target: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
-    """target[indices] = values for a flat contiguous `target` (NumPy on CPU: no int64 copy of
-    int32 indices, 3x faster than torch's index_put there)."""
-    if target.device.type == "cpu" and values.device.type == "cpu":
-        bits(target).numpy()[indices.numpy()] = bits(values).numpy()
-    else:
+    """target[indices] = values for a flat contiguous `target`; an index outside it raises
+    ValueError. On CPU by a compiled loop over the compare's threads (a worker patching its
+    baseline in the engines' pause borrows the trainer's idle core): 2.7x NumPy's fancy
+    assignment on two cores, which also copies int32 indices to int64 first."""
+    if indices.numel() != values.numel():
+        raise ValueError(f"delta: {indices.numel()} indices for {values.numel()} values")
+    if target.device.type != "cpu" or values.device.type != "cpu":
+        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= target.numel()):
+            raise ValueError(f"delta: an index falls outside a tensor of {target.numel()}")
         target[indices.long()] = values
+        return
+    from vime.weight_sync import delta_kernels
+
+    flat, where, new = bits(target).numpy(), indices.numpy(), bits(values).numpy()
+    count = where.size
+    parts = _pool()._max_workers if count >= SPLIT_ELEMENTS else 1
+    cuts = [count * part // parts for part in range(parts + 1)]
+    outside = sum(
+        _pool().map(
+            lambda part: delta_kernels.scatter_span(flat, where, new, cuts[part], cuts[part + 1]),
+            range(parts),
+        )
+    )
+    if outside:
+        raise ValueError(f"delta: {outside} indices fall outside a tensor of {flat.size}")
 
 
 @dataclass
@@ -212,6 +215,7 @@ class DeltaEncoder:
 
     def remember(self, name: str, tensor: torch.Tensor) -> None:
         """A full sync sent `tensor` under `name`."""
+        warm_kernels()
         kept = self._last.get(name)
         if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
             self._last[name] = tensor.detach().clone().contiguous()
@@ -233,20 +237,17 @@ class DeltaEncoder:
         flat_old = old.view(-1)
         flat_new = tensor.detach().contiguous().view(-1)
         index_dtype = torch.int32 if numel < 2**31 else torch.int64
-        # More than this share changed: the indices would cost more than the tensor.
-        dense_fraction = size / (index_dtype.itemsize + size)
-        changed = _Changed(flat_new, flat_old, dense_fraction)
-        stats.changed += changed.count
-        if changed.count == 0:
+        # The most changes that cost fewer bytes as indices and values than the whole tensor.
+        limit = (numel * size - 1) // (index_dtype.itemsize + size)
+        count, found = _changes(flat_new, flat_old, limit, index_dtype)
+        stats.changed += count
+        if count == 0:
             stats.unchanged += 1
             return []
-        sparse_bytes = changed.count * (index_dtype.itemsize + size)
-        if sparse_bytes < numel * size:
-            indices, values = changed.take(index_dtype)
+        if found is not None:
             stats.sparse += 1
-            stats.sent_bytes += sparse_bytes
-            return [(name + INDICES, indices), (name + VALUES, values)]
-        flat_old.copy_(flat_new)
+            stats.sent_bytes += count * (index_dtype.itemsize + size)
+            return [(name + INDICES, found[0]), (name + VALUES, found[1])]
         stats.dense += 1
         stats.sent_bytes += numel * size
         return [(name, tensor)]
@@ -298,6 +299,7 @@ class Baseline:
         self._indices.clear()
 
     def store(self, entries: list[tuple[str, torch.Tensor]]) -> None:
+        warm_kernels()
         for name, tensor in entries:
             kept = self._tensors.get(name)
             if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
@@ -326,7 +328,11 @@ class Baseline:
                 if indices is None or target is None or target.dtype != tensor.dtype:
                     self.valid = False
                     raise ValueError(f"delta bucket: {name!r} has no indices or no baseline")
-                scatter(target.view(-1), indices, tensor)
+                try:
+                    scatter(target.view(-1), indices, tensor)
+                except ValueError as exc:
+                    self.valid = False
+                    raise ValueError(f"delta bucket: {name!r}: {exc}") from None
                 continue
             target = self._tensors.get(name)
             if target is None or target.shape != tensor.shape or target.dtype != tensor.dtype:
