@@ -228,8 +228,10 @@ def test_delta_table_gives_medians_per_lr():
             full_bytes=1e8,
             delta_s=delta_s,
             full_s=0.5,
+            plain_s=0.45,
             delta_paused_s=delta_s / 2,
             full_paused_s=0.4,
+            plain_paused_s=0.35,
             engine_stats={"load": load},
         )
 
@@ -245,10 +247,12 @@ def test_delta_table_gives_medians_per_lr():
     header, _, _, first, second = format_delta(figures).splitlines()
     assert "p bfloat16 over shm" in header
     assert first == (
-        "| 1e-06 | 3 | 2.0000% | 2.0 MB | 100.0 MB | 0.400 | 0.500 | 0.200 / 0.400 | 0.300 |"
+        "| 1e-06 | 3 | 2.0000% | 2.0 MB | 100.0 MB | 0.400 | 0.500 | 0.450 | "
+        "0.200 / 0.400 / 0.350 | 0.300 |"
     )
     assert second == (
-        "| 1e-05 | 1 | 50.0000% | 50.0 MB | 100.0 MB | 1.000 | 0.500 | 0.500 / 0.400 | 0.700 |"
+        "| 1e-05 | 1 | 50.0000% | 50.0 MB | 100.0 MB | 1.000 | 0.500 | 0.450 | "
+        "0.500 / 0.400 / 0.350 | 0.700 |"
     )
 
 

@@ -205,6 +205,22 @@ def test_transport_kind_alone_or_with_its_fields():
     assert WeightSyncConfig().transport.kind == "gloo"
 
 
+def test_which_syncs_gather_and_encode_before_the_pause():
+    """Colocated: every sync (packed into kept buffers); broadcast: only a delta (its encode,
+    not its few bytes); never with shadow or with pack_before_pause off."""
+    modes = ("dense", "full", "delta")
+
+    def ahead(**fields) -> list[bool]:
+        config = WeightSyncConfig.model_validate(fields)
+        return [config.prepares_ahead(mode) for mode in modes]
+
+    assert ahead(transport={"kind": "shm", "delta": True}) == [True, True, True]
+    assert ahead(transport={"kind": "gloo", "delta": True}) == [False, False, True]
+    assert ahead(transport={"kind": "gloo", "delta": True}, shadow=True) == [False] * 3
+    assert ahead(transport={"kind": "shm", "delta": True}, shadow=True) == [False] * 3
+    assert ahead(transport="shm", pack_before_pause=False) == [False] * 3
+
+
 @pytest.mark.parametrize("key", ["mode", "master_port_range", "flush_cache_timeout_s"])
 def test_unknown_weight_sync_keys_are_refused(key):
     with pytest.raises(ValueError, match=rf"{key}\n.*Extra inputs are not permitted"):

@@ -6,14 +6,13 @@
 The trainer holds bf16 parameters with fp32 master weights, as mixed-precision training does:
 each step is a real forward and backward on a random token batch (next-token loss), AdamW on the
 fp32 masters at the given lr, and the masters rounded into the bf16 parameters. After each step
-the same weights go into one vLLM CPU engine twice: a delta sync (only the elements whose bf16
-bits changed), then a full sync of the same weights as the delta path sends one (every byte,
-kept by both sides as the next delta's baseline); both are verified by the engine's checksums
-(not timed). Prints per
+the same weights go into one vLLM CPU engine three times: a delta sync (only the elements whose
+bf16 bits changed), a full sync of the same weights as the delta path sends one (every byte, kept
+by both sides as the next delta's baseline), and a sync by a second updater with delta off (what
+a job without delta pays); all are verified by the engine's checksums (not timed). Prints per
 lr: the fraction of elements that changed, bytes on the wire and seconds (first step to resume,
-the verification excluded) of both, the engines' pause within them, and where the delta sync's
-time went; writes every step's
-figures to --out/bench_delta.json.
+the verification excluded) of each, the engines' pause within them, and the delta's engine load;
+writes every step's figures, with each sync's phases, to --out/bench_delta.json.
 """
 
 from __future__ import annotations
@@ -105,6 +104,13 @@ def bench_delta(args: argparse.Namespace, topology: Any, sync_group: Any) -> dic
         bucket_bytes = args.bucket_mib * 1024**2
         sync = trainer.updater(transport_config, engine, bucket_bytes, 0, verify_checksums=True)
         sync.update_weights()  # the first sync is full: the engine's baseline
+        # The same weights with delta off (what a job that never sends a delta pays): the same
+        # updater, its config's delta switched off for that one sync. (A second updater would
+        # replace the first's buffers on the engine: an engine takes one colocated sender.)
+        delta_on = sync.config
+        delta_off = delta_on.model_copy(
+            update={"transport": delta_on.transport.model_copy(update={"delta": False})}
+        )
         runs = []
         for lr in args.delta_lrs:
             masters = [
@@ -123,6 +129,12 @@ def bench_delta(args: argparse.Namespace, topology: Any, sync_group: Any) -> dic
                 sync.reset_delta()  # the same weights again, every byte of them
                 full = sync.resync()
                 assert delta.delta == "delta" and full.delta == "full", (delta.delta, full.delta)
+                sync.config = delta_off
+                try:
+                    dense = sync.resync()  # loads what the engine's baseline already holds
+                finally:
+                    sync.config = delta_on
+                assert dense.delta is None, dense.delta
                 rows.append(
                     {
                         "step": step,
@@ -133,16 +145,20 @@ def bench_delta(args: argparse.Namespace, topology: Any, sync_group: Any) -> dic
                         "full_bytes": full.num_bytes,
                         "delta_s": sync_seconds(delta),
                         "full_s": sync_seconds(full),
+                        "plain_s": sync_seconds(dense),
                         "delta_paused_s": paused_seconds(delta),
                         "full_paused_s": paused_seconds(full),
+                        "plain_paused_s": paused_seconds(dense),
                         "delta_phases": delta.seconds,
                         "delta_send": delta.send_seconds,
                         # Both verified: "verify" (engine read-back and compare) here, and the
                         # sender's digests in the send's "checksum".
                         "full_phases": full.seconds,
                         "full_send": full.send_seconds,
+                        "plain_phases": dense.seconds,
+                        "plain_send": dense.send_seconds,
                         "engine_stats": delta_engine,  # the delta sync's, on the worker
-                        "verified": delta.verified and full.verified,
+                        "verified": delta.verified and full.verified and dense.verified,
                     }
                 )
                 logger.info(
@@ -157,6 +173,7 @@ def bench_delta(args: argparse.Namespace, topology: Any, sync_group: Any) -> dic
                             "full_bytes",
                             "delta_s",
                             "full_s",
+                            "plain_s",
                         )
                     },
                 )
@@ -173,8 +190,8 @@ def format_delta(figures: dict[str, Any]) -> str:
         f"delta vs full sync, {figures['preset']} {figures['dtype']} over "
         f"{figures['transport']} (medians of n steps, each a real AdamW step on fp32 masters)",
         "| lr | n | changed elements | delta bytes | full bytes | delta s | full s | "
-        "engines paused s: delta / full | engine load s (delta) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "delta off s | engines paused s: delta / full / delta off | engine load s (delta) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in figures["runs"]:
         rows = run["steps"]
@@ -186,7 +203,8 @@ def format_delta(figures: dict[str, Any]) -> str:
         lines.append(
             f"| {run['lr']:g} | {len(rows)} | {median('changed_fraction'):.4%} | "
             f"{median('delta_bytes') / 1e6:.1f} MB | {median('full_bytes') / 1e6:.1f} MB | "
-            f"{median('delta_s'):.3f} | {median('full_s'):.3f} | "
-            f"{median('delta_paused_s'):.3f} / {median('full_paused_s'):.3f} | {load:.3f} |"
+            f"{median('delta_s'):.3f} | {median('full_s'):.3f} | {median('plain_s'):.3f} | "
+            f"{median('delta_paused_s'):.3f} / {median('full_paused_s'):.3f} / "
+            f"{median('plain_paused_s'):.3f} | {load:.3f} |"
         )
     return "\n".join(lines)

@@ -181,8 +181,9 @@ class WeightSyncConfig(StrictModel):
             "before the engines pause, so the pause holds only the engines' load. False: bucket "
             "i+1 is packed while the engines load bucket i, inside the pause. The same memory "
             "either way (each bucket keeps its buffer). Broadcast transports (one buffer "
-            "refilled per bucket in flight) and shadow syncs (no pause around the send) always "
-            "pack as they send."
+            "refilled per bucket in flight) pack as they send, but a delta's encode (a read of "
+            "both copies of every weight) still runs before the pause; shadow syncs (no pause "
+            "around the send) always pack and encode as they send."
         ),
     )
     clear_cache_on_pause: bool = Field(
@@ -227,6 +228,13 @@ class WeightSyncConfig(StrictModel):
         return (
             self.pack_before_pause and self.transport.sync_shape == "colocated" and not self.shadow
         )
+
+    def prepares_ahead(self, mode: str) -> bool:
+        """Whether a sync in `mode` ("dense", "full", "delta") gathers, and packs or encodes,
+        before the engines pause: every colocated one (`fills_ahead`), and a delta over any
+        transport (its encode reads two copies of every weight; what it then sends is small,
+        packed in the pause)."""
+        return self.fills_ahead or (mode == "delta" and self.pack_before_pause and not self.shadow)
 
     @model_validator(mode="before")
     @classmethod

@@ -8,10 +8,11 @@ verification the sender digests each distinct slice an engine worker serves of w
 a thread of its own while the buckets travel (the hash and torch's copies release the GIL), and
 waits for those digests before its stage's turn ends.
 
-With `ahead` (colocated transports, weight_sync.pack_before_pause) every rank gathers, and each
-sender encodes and packs its stage's buckets into the transport's kept buffers, in `prepare`,
-before the engines pause; the stage's turn then only posts them, so the pause holds the engines'
-load and not the trainer's packing.
+With `ahead` (weight_sync.pack_before_pause) every rank gathers, and each sender encodes (a
+delta) and packs its stage's buckets, in `prepare`, before the engines pause. A colocated
+transport packs into its kept buffers and the stage's turn only posts them, so the pause holds
+the engines' load and not the trainer's packing; a broadcast transport (one buffer in flight)
+takes only a delta ahead, whose encode is the cost, and packs its few bytes in the stage's turn.
 """
 
 from __future__ import annotations
@@ -60,11 +61,12 @@ class StageSend:
         """`transport`: this rank's, if it sends its stage (None otherwise). `engine_layouts`:
         each engine worker's served dtypes and slices, to digest what is sent (None: no
         verification). `ahead`: gather and pack in `prepare` (the same on every rank; the
-        senders' transports must have `fills_ahead`)."""
-        if ahead and transport is not None and not transport.fills_ahead:
+        senders' transports must have `fills_ahead`, except for a delta)."""
+        if ahead and transport is not None and not transport.fills_ahead and mode != "delta":
             raise ValueError(f"{type(transport).__name__} cannot fill its buckets ahead")
         self.ahead = ahead
-        self._prepared: Sequence[Bucket] | None = None  # what `prepare` filled, to post
+        # What `prepare` made ready for the stage's turn: the buckets, and how to fill them.
+        self._prepared: tuple[Sequence[Bucket], FillBucket] | None = None
         self.mode = mode
         self.plan = plan
         self.gather_groups = gather_groups
@@ -113,9 +115,10 @@ class StageSend:
 
     def _post_prepared(self) -> None:
         assert self.transport is not None and self._prepared is not None
+        buckets, fill = self._prepared
         calls = [e.update_weights for e in self.engines]
         with self.timer.phase("transport"):
-            self.transport.send_buckets(self._prepared, filled_ahead, calls)
+            self.transport.send_buckets(buckets, fill, calls)
 
     def send_own_stage(self) -> None:
         """Gather (every rank of the stage), then on the sender the buckets in `mode` (with
@@ -175,14 +178,18 @@ class StageSend:
         assert not leftover, f"gathered tensors missing from the bucket plan: {leftover}"
 
     def _deliver(self, buckets: Sequence[Bucket], fill: FillBucket, calls: list[Any]) -> None:
-        """Send the buckets now, or with `ahead` fill them for the stage's turn to post."""
+        """Send the buckets now; with `ahead`, fill them for the stage's turn to post (or,
+        where the transport cannot fill ahead, leave their packing to that turn)."""
         assert self.transport is not None
-        with self.timer.phase("transport"):
-            if self.ahead:
-                self.transport.prefill(buckets, fill)
-                self._prepared = buckets
-            else:
+        if not self.ahead:
+            with self.timer.phase("transport"):
                 self.transport.send_buckets(buckets, fill, calls)
+        elif self.transport.fills_ahead:
+            with self.timer.phase("transport"):
+                self.transport.prefill(buckets, fill)
+            self._prepared = (buckets, filled_ahead)
+        else:
+            self._prepared = (buckets, fill)
 
     def _cast(
         self, gathered: Iterator[tuple[str, torch.Tensor]]

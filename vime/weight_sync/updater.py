@@ -295,9 +295,9 @@ class WeightUpdater:
         return report
 
     def _sync(self, version: int, mode: str) -> SyncReport:
-        """One session sending in `mode` (see `_send_stage`); a failed delta leaves the
-        engines paused."""
+        """One session in `mode` (see `StageSend`); a failed delta leaves the engines paused."""
         self._send_timer.reset()
+        ahead = self.config.prepares_ahead(mode)
         send = StageSend(
             mode=mode,
             plan=self.plan,
@@ -313,7 +313,7 @@ class WeightUpdater:
             bucket_bytes=self.config.update_weight_buffer_size,
             timeout=self._timeout,
             timer=self._send_timer,
-            ahead=self.config.fills_ahead,
+            ahead=ahead,
         )
         verify = None
         if self.config.verify_checksums:
@@ -328,7 +328,7 @@ class WeightUpdater:
                 pp_size=self.topology.pp_size,
                 stage_part=send.part,
                 verify=verify,
-                prepare=send.prepare if self.config.fills_ahead else None,
+                prepare=send.prepare if ahead else None,
                 clear_cache=self.config.clear_cache_on_pause,
                 shadow=self.config.shadow,
                 call_timeout_s=self.config.transfer_timeout_s,
