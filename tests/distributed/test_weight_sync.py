@@ -236,6 +236,9 @@ def test_delta_syncs_serve_exact_weights_and_send_only_what_changed(delta_run, h
         assert 0.005 < report.changed_fraction < 0.02, report.changed_fraction
         assert report.full_bytes == full_bytes
         assert report.num_bytes < 0.1 * full_bytes, (index, report.num_bytes, full_bytes)
+    # Every delta, over gloo too, encodes before the pause; over gloo nothing else does.
+    assert all("prepare" in r.seconds for r in reports if r.delta == "delta")
+    assert not any("prepare" in r.seconds for r in reports[:3] if r.delta == "full")
     # Every element changed: each tensor goes whole (cheaper than indices + values).
     assert reports[2].changed_fraction == 1.0
     assert 0.95 * full_bytes <= reports[2].num_bytes <= 1.05 * full_bytes
