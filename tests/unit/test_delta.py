@@ -3,6 +3,7 @@ worker's baseline, through real buckets (plan, pack, unpack), bit for bit."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -251,3 +252,56 @@ def test_the_engines_scatter_writes_every_value_and_refuses_indices_outside(monk
     with pytest.raises(ValueError, match="'w::values'.*outside"):
         engine.patch([("w::indices", torch.tensor([-1])), ("w::values", torch.ones(1))])
     assert not engine.valid
+
+
+def test_an_empty_tensor_is_unchanged():
+    encoder = DeltaEncoder()
+    encoder.remember("empty", torch.zeros(0, dtype=torch.bfloat16))
+    stats = DeltaStats()
+    assert encoder.encode("empty", torch.zeros(0, dtype=torch.bfloat16), stats) == []
+    assert stats.unchanged == 1 and stats.changed == 0
+
+
+def test_a_process_that_exits_right_after_its_first_full_sync_exits_cleanly(tmp_path):
+    """A process that ends right after its first full sync, while the kernels' warm-up thread
+    still compiles (an empty numba cache), exits cleanly: the thread is waited for and uses no
+    thread pool, which the interpreter's shutdown refuses (an earlier version, a daemon thread on
+    the compare's pool, could abort the process or print "cannot schedule new futures")."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from vime.weight_sync.delta import DeltaEncoder\n"
+        "DeltaEncoder().remember('w', torch.zeros(8, dtype=torch.bfloat16))\n"
+    )
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300, env=env)
+    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr.decode()[-2000:]
+
+
+def test_kernels_compile_without_a_writable_cache(monkeypatch):
+    """numba refuses cache=True where no cache directory is writable: the loop is then
+    compiled per process."""
+    import numba
+
+    from vime.weight_sync import delta_kernels
+
+    calls, real = [], numba.njit
+
+    def njit(**options):
+        calls.append(options)
+        if options.get("cache"):
+            raise RuntimeError("cannot cache function: no locator available")
+        return real(**options)
+
+    monkeypatch.setattr(delta_kernels.numba, "njit", njit)
+
+    def first(values):
+        return values[0]
+
+    compiled = delta_kernels._compiled(first)
+    monkeypatch.undo()
+    assert calls == [{"nogil": True, "cache": True}, {"nogil": True}]
+    assert compiled(np.arange(3, dtype=np.int16) + 5) == 5

@@ -104,6 +104,8 @@ def _chunks(numel: int) -> list[tuple[int, int]]:
     """Equal spans of a tensor's elements for the compare's threads, a multiple of them (a
     4864 x 896 weight in chunks of 4M and 0.2M would leave one thread idle), each starting on
     an 8-byte word for 8-bit elements (and so for wider ones)."""
+    if numel == 0:
+        return []
     parts = -(-numel // CHUNK_ELEMENTS)
     if numel >= SPLIT_ELEMENTS:
         threads = _pool()._max_workers
@@ -140,18 +142,18 @@ def warm_kernels() -> None:
     """Import the delta's compiled loops and compile them (or load numba's cache) for 16- and
     32-bit elements, once per process, on a thread of their own: called at the first full sync
     a delta will build on, so the first delta does not pay ~0.5 s of it (in an engine, inside
-    the pause)."""
+    the pause). Not a daemon: a process that exits meanwhile waits for the compile to end (an
+    interpreter torn down under numba's compiler aborts)."""
 
     def warm() -> None:
-        from vime.weight_sync import delta_kernels
+        try:
+            from vime.weight_sync import delta_kernels
 
-        for dtype in (torch.bfloat16, torch.float32):
-            new, old = torch.ones(16, dtype=dtype), torch.zeros(16, dtype=dtype)
-            _changes(new, old, 15, torch.int32)
-            scatter(old, torch.arange(4, dtype=torch.int32), new[:4])
-        logger.debug("delta kernels ready (%s)", delta_kernels.__name__)
+            delta_kernels.warm()
+        except Exception:  # the first delta compiles instead
+            logger.warning("could not compile the delta kernels ahead", exc_info=True)
 
-    threading.Thread(target=warm, name="vime-delta-warm", daemon=True).start()
+    threading.Thread(target=warm, name="vime-delta-warm").start()
 
 
 _NUMPY_INDEX = {torch.int32: np.int32, torch.int64: np.int64}

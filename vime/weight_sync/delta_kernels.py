@@ -18,13 +18,26 @@ against the target's size (the indices arrive from another process).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numba
 import numpy as np
 
 WORDS_PER_BLOCK = 1 << 14  # between two updates of the shared count
 
 
-@numba.njit(nogil=True, cache=True)
+def _compiled(function: Callable[..., Any]) -> Any:
+    """`function` compiled without the GIL, cached on disk by numba (next to this file, else in
+    NUMBA_CACHE_DIR or the user's cache); where no cache directory is writable, compiled once
+    per process instead (numba refuses cache=True there)."""
+    try:
+        return numba.njit(nogil=True, cache=True)(function)
+    except RuntimeError:
+        return numba.njit(nogil=True)(function)
+
+
+@_compiled
 def _elements(new, old, lo, hi, indices, values, k, collecting):  # pragma: no cover - compiled
     count = 0
     for i in range(lo, hi):
@@ -38,7 +51,7 @@ def _elements(new, old, lo, hi, indices, values, k, collecting):  # pragma: no c
     return k, count
 
 
-@numba.njit(nogil=True, cache=True)
+@_compiled
 def diff_chunk(
     new, old, new_words, old_words, first, lanes, start, end, indices, values, shared, limit
 ):  # pragma: no cover - compiled
@@ -98,7 +111,7 @@ def words(new: np.ndarray, old: np.ndarray) -> tuple[int, np.ndarray, np.ndarray
     return first, new[first:end].view(np.uint64), old[first:end].view(np.uint64)
 
 
-@numba.njit(nogil=True, cache=True)
+@_compiled
 def scatter_span(target, indices, values, lo, hi):  # pragma: no cover - compiled
     """target[indices[k]] = values[k] for k in [lo, hi); returns how many indices fell outside
     the target (those are not written)."""
@@ -111,3 +124,18 @@ def scatter_span(target, indices, values, lo, hi):  # pragma: no cover - compile
             continue
         target[i] = values[k]
     return outside
+
+
+def warm() -> None:
+    """Compile the loops (or load them from numba's cache) for 16- and 32-bit elements with
+    int32 indices, the signatures a bf16 or fp32 model's delta uses."""
+    for dtype in (np.int16, np.int32):
+        new: np.ndarray = np.ones(16, dtype=dtype)
+        old: np.ndarray = np.zeros(16, dtype=dtype)
+        first, new_words, old_words = words(new, old)
+        indices: np.ndarray = np.empty(16, dtype=np.int32)
+        values: np.ndarray = np.empty(16, dtype=dtype)
+        shared: np.ndarray = np.zeros(1, dtype=np.int64)
+        lanes = 8 // new.itemsize
+        diff_chunk(new, old, new_words, old_words, first, lanes, 0, 16, indices, values, shared, 16)
+        scatter_span(old, indices, values, 0, 16)
