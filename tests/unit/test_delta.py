@@ -146,7 +146,7 @@ def test_the_compare_kernel_equals_numpy_at_any_alignment_and_range(offset, dtyp
             values = np.empty(end - start, dtype=np_dtype)
             shared = np.zeros(1, dtype=np.int64)
             found, count, whole = diff_chunk(
-                new, old, new_words, old_words, first, 8 // new.itemsize, start, end,
+                new, old, new_words, old_words, first, start, end,
                 indices, values, shared, end,
             )  # fmt: skip
             assert whole and found == count == expected.size == shared[0]
@@ -161,7 +161,7 @@ def test_the_compare_kernel_equals_numpy_at_any_alignment_and_range(offset, dtyp
         indices = np.empty(new.size, dtype=np.int64)
         values = np.empty(new.size, dtype=np_dtype)
         found, count, whole = diff_chunk(
-            new, old, new_words, old_words, first, 8 // new.itemsize, 0, new.size,
+            new, old, new_words, old_words, first, 0, new.size,
             indices, values, shared, 0,
         )  # fmt: skip
         assert whole == (new_words.size == 0) and count == int(hit.sum()) and (old == new).all()

@@ -8,11 +8,11 @@ each step is a real forward and backward on a random token batch (next-token los
 fp32 masters at the given lr, and the masters rounded into the bf16 parameters. After each step
 the same weights go into one vLLM CPU engine three times: a delta sync (only the elements whose
 bf16 bits changed), a full sync of the same weights as the delta path sends one (every byte, kept
-by both sides as the next delta's baseline), and a sync by a second updater with delta off (what
-a job without delta pays); all are verified by the engine's checksums (not timed). Prints per
-lr: the fraction of elements that changed, bytes on the wire and seconds (first step to resume,
-the verification excluded) of each, the engines' pause within them, and the delta's engine load;
-writes every step's figures, with each sync's phases, to --out/bench_delta.json.
+by both sides as the next delta's baseline), and a sync by the same updater with delta switched
+off (what a job without delta pays); all are verified by the engine's checksums (not timed).
+Prints per lr: the fraction of elements that changed, bytes on the wire and seconds (first step
+to resume, the verification excluded) of each, the engines' pause within them, and the delta's
+engine load; writes every step's figures, with each sync's phases, to --out/bench_delta.json.
 """
 
 from __future__ import annotations

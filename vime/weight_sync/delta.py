@@ -71,7 +71,6 @@ def _changes(
 
     new_bits, old_bits = bits(new).numpy(), bits(old).numpy()
     first, new_words, old_words = delta_kernels.words(new_bits, old_bits)
-    lanes = 8 // new_bits.itemsize
     # The tensor's changes counted so far, by every chunk.
     shared: np.ndarray = np.zeros(1, dtype=np.int64)
     numpy_index = _NUMPY_INDEX[index_dtype]
@@ -81,7 +80,7 @@ def _changes(
         indices: np.ndarray = np.empty(end - start, dtype=numpy_index)
         values = np.empty(end - start, dtype=new_bits.dtype)
         found, count, whole = delta_kernels.diff_chunk(
-            new_bits, old_bits, new_words, old_words, first, lanes, start, end,
+            new_bits, old_bits, new_words, old_words, first, start, end,
             indices, values, shared, limit,
         )  # fmt: skip
         return int(count), (indices[:found], values[:found]) if whole else None
@@ -108,11 +107,15 @@ def _chunks(numel: int) -> list[tuple[int, int]]:
         return []
     parts = -(-numel // CHUNK_ELEMENTS)
     if numel >= SPLIT_ELEMENTS:
-        threads = _pool()._max_workers
-        parts = -(-parts // threads) * threads
+        parts = -(-parts // _threads()) * _threads()
     size = -(-numel // max(parts, 1))
     size = -(-size // 8) * 8
     return [(start, min(start + size, numel)) for start in range(0, numel, size)]
+
+
+def _threads() -> int:
+    """The compare's threads: one per core of the machine, up to MAX_COMPARE_THREADS."""
+    return min(os.cpu_count() or 1, MAX_COMPARE_THREADS)
 
 
 @functools.cache
@@ -120,7 +123,7 @@ def _pool() -> ThreadPoolExecutor:
     """The compare's threads, made once and kept: one per core of the machine, up to
     MAX_COMPARE_THREADS, each allowed on every core of this process's cpuset. A trainer pinned
     to its own core (trainer.cpu_cores) borrows the engines' cores: a delta is encoded before
-    the engines pause (weight_sync.pack_before_pause, colocated), where they may be decoding
+    the engines pause (weight_sync.pack_before_pause), where they may be decoding
     on them, or inside the pause before any bucket reaches them."""
     cores = os.cpu_count() or 1
 
@@ -131,7 +134,7 @@ def _pool() -> ThreadPoolExecutor:
             pass
 
     return ThreadPoolExecutor(
-        max_workers=min(cores, MAX_COMPARE_THREADS),
+        max_workers=_threads(),
         thread_name_prefix="vime-delta",
         initializer=unpin,
     )
@@ -175,14 +178,17 @@ def scatter(target: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -
 
     flat, where, new = bits(target).numpy(), indices.numpy(), bits(values).numpy()
     count = where.size
-    parts = _pool()._max_workers if count >= SPLIT_ELEMENTS else 1
-    cuts = [count * part // parts for part in range(parts + 1)]
-    outside = sum(
-        _pool().map(
-            lambda part: delta_kernels.scatter_span(flat, where, new, cuts[part], cuts[part + 1]),
-            range(parts),
+    if count < SPLIT_ELEMENTS:  # one span: no hand-off to the pool
+        outside = delta_kernels.scatter_span(flat, where, new, 0, count)
+    else:
+        parts = _threads()
+        cuts = [count * part // parts for part in range(parts + 1)]
+        outside = sum(
+            _pool().map(
+                lambda p: delta_kernels.scatter_span(flat, where, new, cuts[p], cuts[p + 1]),
+                range(parts),
+            )
         )
-    )
     if outside:
         raise ValueError(f"delta: {outside} indices fall outside a tensor of {flat.size}")
 

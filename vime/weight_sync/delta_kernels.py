@@ -53,13 +53,14 @@ def _elements(new, old, lo, hi, indices, values, k, collecting):  # pragma: no c
 
 @_compiled
 def diff_chunk(
-    new, old, new_words, old_words, first, lanes, start, end, indices, values, shared, limit
+    new, old, new_words, old_words, first, start, end, indices, values, shared, limit
 ):  # pragma: no cover - compiled
     """Elements [start, end) of the flat integer arrays `new` and `old`: each that differs is
     counted, collected into `indices`/`values` (room for end - start) while collecting, and set
     in `old`. `new_words`/`old_words` are the same memory as 8-byte words, word w holding
-    elements first + w * lanes ... + lanes - 1 (empty: elements only). Returns (collected,
-    changed, still collecting)."""
+    elements first + w * lanes ... + lanes - 1, lanes = 8 // the element size (empty: elements
+    only). Returns (collected, changed, still collecting)."""
+    lanes = 8 // new.itemsize
     n_words = new_words.size
     w0 = 0 if start <= first else min(n_words, (start - first + lanes - 1) // lanes)
     w1 = 0 if end <= first else min(n_words, (end - first) // lanes)
@@ -136,6 +137,5 @@ def warm() -> None:
         indices: np.ndarray = np.empty(16, dtype=np.int32)
         values: np.ndarray = np.empty(16, dtype=dtype)
         shared: np.ndarray = np.zeros(1, dtype=np.int64)
-        lanes = 8 // new.itemsize
-        diff_chunk(new, old, new_words, old_words, first, lanes, 0, 16, indices, values, shared, 16)
+        diff_chunk(new, old, new_words, old_words, first, 0, 16, indices, values, shared, 16)
         scatter_span(old, indices, values, 0, 16)

@@ -44,8 +44,8 @@ class SyncReport:
     """What one sync did, as seen from this rank (engine phases are timed on rank 0 only)."""
 
     weight_version: int
-    # Per step, each including its barrier: prepare (before the pause, colocated), pause,
-    # flush, start, send (all stages' turns), finish, verify (when asked), resume.
+    # Per step, each including its barrier: prepare (before the pause: colocated, or a delta),
+    # pause, flush, start, send (all stages' turns), finish, verify (when asked), resume.
     seconds: dict[str, float] = field(default_factory=dict)
     prefix_cache_flushed: bool | None = None  # None on ranks other than 0
     num_buckets: int = 0  # sent by this rank
